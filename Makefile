@@ -1,0 +1,44 @@
+# The course's two set-up commands (see README.md):
+#   make book   build the rendered book into _build/html
+#   make test   run every test: unit tests, script tests, nbval, the book build
+# Both create .venv and install the pinned stack first when needed.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: book test unit notebooks execute doctor clean
+
+$(STAMP): requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -r requirements.txt
+	# d2l 1.0.3 pins ancient numpy/pandas/matplotlib: install it without them
+	# (its real imports are in requirements.txt).
+	$(BIN)/pip install --quiet --no-deps d2l==1.0.3
+	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+book: $(STAMP)
+	$(BIN)/jupyter-book build . --path-output . -W -n --keep-going
+
+test: $(STAMP)
+	bash tools/run_tests.sh
+
+unit: $(STAMP)
+	$(BIN)/pytest tests
+
+notebooks: $(STAMP)
+	$(BIN)/pytest --nbval notebooks --nbval-sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider
+
+# Re-execute notebooks in place (all, or NB=notebooks/01_tensors.ipynb).
+NB ?= notebooks/*.ipynb
+execute: $(STAMP)
+	$(BIN)/python tools/execute_notebooks.py $(NB)
+
+doctor: $(STAMP)
+	$(BIN)/python -m companion.doctor
+
+clean:
+	rm -rf _build

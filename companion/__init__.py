@@ -1,0 +1,65 @@
+"""Companion package of the course "PyTorch computational performance and parallel training".
+
+Notebooks import their helpers from here; chapter-specific helpers live in
+their own modules (``companion.<module>``). Nothing runs at import time.
+"""
+
+from companion.data import (
+    DataUnavailableError,
+    ImageData,
+    ToyDataset,
+    load_digits,
+    load_fashion_mnist,
+    load_image_data,
+    make_spirals,
+    make_toy_data,
+)
+from companion.devices import (
+    DeviceError,
+    cpu_count,
+    describe_hardware,
+    get_backend,
+    num_gpus,
+    try_all_gpus,
+    try_gpu,
+)
+from companion.launch import LaunchError, LaunchTimeout, launch, script_path
+from companion.notebook import CourseError, set_seed, setup_notebook
+from companion.plotting import new_axes, plot_history
+from companion.training import accuracy, evaluate_accuracy
+from companion.timing import Benchmark, Timing, benchmark, format_table, format_time, synchronize
+
+__all__ = [
+    "Benchmark",
+    "CourseError",
+    "DataUnavailableError",
+    "DeviceError",
+    "ImageData",
+    "LaunchError",
+    "LaunchTimeout",
+    "Timing",
+    "ToyDataset",
+    "accuracy",
+    "benchmark",
+    "cpu_count",
+    "describe_hardware",
+    "evaluate_accuracy",
+    "format_table",
+    "format_time",
+    "get_backend",
+    "launch",
+    "load_digits",
+    "load_fashion_mnist",
+    "load_image_data",
+    "make_spirals",
+    "make_toy_data",
+    "new_axes",
+    "num_gpus",
+    "plot_history",
+    "script_path",
+    "set_seed",
+    "setup_notebook",
+    "synchronize",
+    "try_all_gpus",
+    "try_gpu",
+]

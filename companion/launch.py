@@ -1,0 +1,154 @@
+"""Run a standalone script in its own processes and get its results back.
+
+Notebooks cannot ``mp.spawn`` a function defined in a cell (the workers cannot
+import ``__main__``), so multi-process chapters launch a script from
+``companion/scripts/`` instead: under ``python -m torch.distributed.run``
+(torchrun) for several processes, or under plain ``python``. The script's
+output streams into the notebook as it runs; a time-out or an interrupt stops
+the whole process group, so nothing is left running; the script's JSON results
+file comes back as a dict. Used in chapters 08, 09 and 11.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from companion.devices import cpu_count
+
+__all__ = ["LaunchError", "LaunchTimeout", "script_path", "launch"]
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+class LaunchError(RuntimeError):
+    """A launched script failed, or wrote no results."""
+
+
+class LaunchTimeout(LaunchError):
+    """A launched script ran past its time-out and was stopped."""
+
+
+def script_path(name: str) -> Path:
+    """Return the path of ``companion/scripts/<name>``."""
+    path = SCRIPTS / name
+    if not path.is_file():
+        available = ", ".join(sorted(p.name for p in SCRIPTS.glob("*.py") if p.name != "__init__.py"))
+        raise FileNotFoundError(f"There is no script {name!r} in {SCRIPTS}; available: {available}.")
+    return path
+
+
+def _stop_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
+    """Stop ``proc`` and every process it started: SIGTERM, then SIGKILL."""
+    if proc.poll() is not None and os.name != "posix":
+        return
+    try:
+        if os.name == "posix":
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.terminate()
+        proc.wait(timeout=grace)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    if os.name == "posix":
+        try:  # children may outlive torchrun's own exit: kill the group regardless
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    else:
+        proc.kill()
+    proc.wait()
+
+
+def launch(
+    script: str | Path,
+    args: Sequence[str] = (),
+    *,
+    nproc: int | None = 2,
+    timeout: float = 300.0,
+    env: Mapping[str, str] | None = None,
+    results: bool = True,
+) -> dict[str, Any]:
+    """Run ``script`` and return the JSON results it wrote.
+
+    Args:
+        script: a path, or the name of a file in ``companion/scripts/``.
+        args: command-line arguments for the script.
+        nproc: processes to start with ``torchrun --standalone``; ``None`` runs
+            plain ``python script`` (one process, no launcher).
+        timeout: seconds before the whole process group is stopped.
+        env: extra environment variables. ``OMP_NUM_THREADS`` defaults to the
+            cores divided by the processes, so processes do not oversubscribe.
+        results: append ``--results FILE`` to the arguments and return the
+            JSON the script writes there; with False, return ``{}``.
+
+    Raises:
+        LaunchTimeout: the script ran longer than ``timeout``.
+        LaunchError: the script exited with an error or wrote no results.
+    """
+    path = Path(script) if os.sep in str(script) or Path(script).is_file() else script_path(str(script))
+    workers = nproc or 1
+    child_env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(max(1, cpu_count() // workers)),
+        "PYTHONUNBUFFERED": "1",
+        **(env or {}),
+    }
+    with tempfile.TemporaryDirectory(prefix="launch-") as tmp:
+        results_file = Path(tmp) / "results.json"
+        argv = [*map(str, args), *(["--results", str(results_file)] if results else [])]
+        if nproc is None:
+            cmd = [sys.executable, str(path), *argv]
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={nproc}", str(path), *argv]  # fmt: skip
+        tail: collections.deque[str] = collections.deque(maxlen=20)
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=child_env, start_new_session=True,
+        )  # fmt: skip
+        timed_out = threading.Event()
+
+        def on_timeout() -> None:
+            timed_out.set()
+            _stop_group(proc)
+
+        watchdog = threading.Timer(timeout, on_timeout)
+        watchdog.start()
+        try:
+            assert proc.stdout is not None
+            # Read in the calling thread, so that a notebook shows the lines
+            # in the cell that launched the script.
+            for line in proc.stdout:
+                print(line, end="", flush=True)
+                tail.append(line.rstrip())
+            returncode = proc.wait()
+        except BaseException:  # KeyboardInterrupt included: leave nothing running
+            _stop_group(proc)
+            raise
+        finally:
+            watchdog.cancel()
+        if timed_out.is_set():
+            _stop_group(proc)  # the group may still hold children of a dead launcher
+            raise LaunchTimeout(
+                f"{path.name} did not finish within {timeout:g} s and was stopped, "
+                "with every process it started."
+            )
+        if returncode != 0:
+            _stop_group(proc)
+            last = next((t for t in reversed(tail) if t.strip()), "no output")
+            raise LaunchError(f"{path.name} failed with exit code {returncode}; its last line: {last}")
+        if not results:
+            return {}
+        if not results_file.is_file():
+            raise LaunchError(f"{path.name} finished but wrote no results file.")
+        return json.loads(results_file.read_text())

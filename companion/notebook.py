@@ -1,0 +1,67 @@
+"""One call that prepares a notebook: seeds, figures, quiet logs, short errors.
+
+Used in the set-up cell of every chapter.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import numpy as np
+import torch
+
+__all__ = ["CourseError", "setup_notebook", "set_seed"]
+
+
+class CourseError(Exception):
+    """Marker for errors whose message is a whole sentence for the reader.
+
+    ``setup_notebook`` makes IPython show such errors (and the library's
+    ``DataUnavailableError``, ``DeviceError`` and ``LaunchError``) as one line,
+    without the traceback.
+    """
+
+
+def set_seed(seed: int = 0) -> None:
+    """Seed Python's, NumPy's and PyTorch's random number generators."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _short_errors() -> None:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is None:
+        return
+    from companion.data import DataUnavailableError
+    from companion.devices import DeviceError
+    from companion.launch import LaunchError
+
+    def show_one_line(shell, etype, value, tb, tb_offset=None):
+        print(f"{etype.__name__}: {value}")
+
+    shell.set_custom_exc((CourseError, DataUnavailableError, DeviceError, LaunchError), show_one_line)
+
+
+def setup_notebook(seed: int = 0) -> None:
+    """Seed the generators, draw static PNG figures, and quiet known noise.
+
+    - figures: PNG (nbval does not compare images; SVG carries random ids);
+    - ``torch.compile``'s "No CUDA runtime is found" log line on CPU-only
+      machines is silenced, because nbval compares stderr too;
+    - errors that carry a one-sentence message are shown without traceback.
+    """
+    set_seed(seed)
+    try:
+        from matplotlib_inline.backend_inline import set_matplotlib_formats
+
+        set_matplotlib_formats("png")
+    except ImportError:
+        pass
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    _short_errors()

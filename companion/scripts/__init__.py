@@ -1,0 +1,1 @@
+"""Standalone scripts. Each file imports only torch and the standard library."""

@@ -1,0 +1,154 @@
+"""Honest timing: warm-up, device synchronisation, repeats, median and spread.
+
+``benchmark`` wraps ``torch.utils.benchmark.Timer``, which synchronises the
+accelerator around each measurement and reports the median of many runs.
+``Benchmark`` is a d2l-style context manager for one-off timings of a block.
+Every result carries the hardware it was measured on. Used in chapters 05 to 11.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from companion.devices import describe_hardware
+
+__all__ = ["Timing", "Benchmark", "benchmark", "format_time", "format_table", "synchronize"]
+
+
+def synchronize() -> None:
+    """Wait until every queued accelerator kernel has finished (no-op on a CPU)."""
+    if torch.accelerator.is_available():
+        torch.accelerator.synchronize()
+
+
+def format_time(seconds: float) -> str:
+    """Format a duration with a unit that keeps 3 significant digits: ``12.3 ms``."""
+    if not math.isfinite(seconds):
+        return "n/a"
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds / 1e-9:.3g} ns"
+
+
+@dataclass(frozen=True)
+class Timing:
+    """A measured duration: median and interquartile range over ``runs`` runs."""
+
+    label: str
+    median: float  # seconds per call
+    iqr: float  # seconds, interquartile range of the per-call times
+    runs: int  # how many timed blocks the median is over
+    hardware: str
+
+    def __str__(self) -> str:
+        return (
+            f"{self.label}: {format_time(self.median)} per call "
+            f"(IQR {format_time(self.iqr)}, {self.runs} runs)"
+        )
+
+
+def benchmark(
+    fn: Callable[..., Any],
+    *args: Any,
+    label: str = "",
+    warmup: int = 2,
+    min_run_time: float = 0.2,
+    num_threads: int | None = None,
+    **kwargs: Any,
+) -> Timing:
+    """Time ``fn(*args, **kwargs)`` and return its median time per call.
+
+    Args:
+        fn: the function to time; its result is discarded.
+        label: a name for the result.
+        warmup: calls made before timing (first calls allocate memory, pick
+            kernels and compile).
+        min_run_time: seconds spent measuring, at least; more runs, less noise.
+        num_threads: intra-op threads while timing (default: the current setting).
+    """
+    # Imported here: importing it logs a "No CUDA runtime" line on CPU-only
+    # machines, which setup_notebook() silences first.
+    from torch.utils import benchmark as torch_benchmark
+
+    for _ in range(warmup):
+        fn(*args, **kwargs)
+    synchronize()
+    timer = torch_benchmark.Timer(
+        stmt="fn(*args, **kwargs)",
+        globals={"fn": fn, "args": args, "kwargs": kwargs},
+        num_threads=num_threads or torch.get_num_threads(),
+        label=label,
+    )
+    measurement = timer.blocked_autorange(min_run_time=min_run_time)
+    return Timing(
+        label=label,
+        median=measurement.median,
+        iqr=measurement.iqr,
+        runs=len(measurement.times),
+        hardware=describe_hardware(),
+    )
+
+
+def format_table(
+    rows: Sequence[dict[str, Any]], *, title: str = "", hardware: bool = True
+) -> str:
+    """Lay out rows of equal keys as a plain-text table.
+
+    ``Timing`` values are shown as their median time; floats with 3
+    significant digits. A last line says which hardware the numbers came from.
+    """
+    if not rows:
+        return title
+    columns = list(rows[0])
+
+    def cell(value: Any) -> str:
+        if isinstance(value, Timing):
+            return format_time(value.median)
+        if isinstance(value, float):
+            return f"{value:.3g}"
+        return str(value)
+
+    cells = [[cell(row[c]) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    lines = [title] if title else []
+    lines.append("  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip())
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in cells]
+    if hardware:
+        lines.append(f"Measured on: {describe_hardware()}")
+    return "\n".join(lines)
+
+
+class Benchmark:
+    """Time a block of code, synchronising the accelerator at both ends.
+
+    >>> with Benchmark("matmul"):
+    ...     y = x @ x
+    matmul: 1.23 ms
+
+    The duration stays available as ``.elapsed`` (seconds). One run only: for
+    comparisons, use ``benchmark``, which repeats and reports the median.
+    """
+
+    def __init__(self, description: str = "Done", *, quiet: bool = False) -> None:
+        self.description = description
+        self.quiet = quiet
+        self.elapsed = math.nan
+
+    def __enter__(self) -> Benchmark:
+        synchronize()
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        synchronize()
+        self.elapsed = time.perf_counter() - self._start
+        if not self.quiet and exc_info[0] is None:
+            print(f"{self.description}: {format_time(self.elapsed)}")

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The test command behind `make test` (and CI): unit and script tests, nbval
+# over every notebook, then the book build with warnings as errors. It prints
+# how long each part took.
+set -u
+cd "$(dirname "$0")/.."
+BIN=.venv/bin
+status=0
+start=$SECONDS
+
+step() {
+  local name=$1 t=$SECONDS
+  shift
+  echo "==> $name"
+  "$@" || status=1
+  echo "<== $name: $((SECONDS - t)) s"
+}
+
+step "tests and notebooks (pytest + nbval)" \
+  $BIN/pytest tests notebooks --nbval --nbval-current-env \
+  --nbval-sanitize-with tests/nbval_sanitize.cfg --durations=15
+step "book build (-W -n --keep-going)" \
+  $BIN/jupyter-book build . -W -n --keep-going
+
+echo "Total test time: $((SECONDS - start)) s"
+exit $status
