@@ -1,0 +1,257 @@
+"""The machine's limits: fp32 matmul throughput, memory bandwidth, peak FLOP/s.
+
+Chapter 06 measures them; later chapters compare what they achieve against
+them ("the training step ran at 0.4x of this machine's matmul rate"):
+
+>>> limits = measure_limits()
+>>> print(limits)                 # the three numbers, and where they came from
+>>> print(limits.compare(95.0))   # an achieved GFLOP/s against the limits
+
+The CPU's peak is an estimate, cores x clock x FLOPs per cycle, where the
+FLOPs per cycle follow from the vector instructions PyTorch uses
+(``torch.backends.cpu.get_cpu_capability()``) and assume two fused
+multiply-add units per core. When the clock or the FLOPs per cycle cannot be
+known, the estimate says so and only measured numbers are reported.
+Used in chapter 06 and cited by the chapters after it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from companion.devices import cpu_count, describe_hardware
+from companion.timing import benchmark
+
+__all__ = [
+    "FP32_FLOPS_PER_CYCLE",
+    "PeakEstimate",
+    "MachineLimits",
+    "read_cpu_clock",
+    "estimate_cpu_peak",
+    "measure_matmul_gflops",
+    "measure_bandwidth",
+    "measure_limits",
+]
+
+# fp32 FLOPs per core per clock cycle for PyTorch's CPU capability levels,
+# assuming two fused multiply-add (FMA) units per core: 2 units x lanes x 2
+# FLOPs (a multiply and an add). AVX-512: 16 fp32 lanes; AVX2: 8. Some
+# AVX-512 CPUs have only one 512-bit FMA unit, and then the true peak is half.
+FP32_FLOPS_PER_CYCLE = {"AVX512": 64, "AVX2": 32}
+
+_CPUFREQ_MAX = "/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq"
+_CPUINFO = "/proc/cpuinfo"
+
+
+def read_cpu_clock(
+    cpufreq_max: str | Path = _CPUFREQ_MAX, cpuinfo: str | Path = _CPUINFO
+) -> tuple[float | None, str]:
+    """Return the CPU clock in GHz and where it was read, or ``(None, why)``.
+
+    The maximum frequency from sysfs (what ``lscpu`` shows as "CPU max MHz")
+    comes first; else the "cpu MHz" line of ``/proc/cpuinfo``, which under a
+    hypervisor is usually the nominal clock (cores may run faster in turbo).
+    """
+    try:
+        khz = float(Path(cpufreq_max).read_text().strip())
+        if khz > 0:
+            return khz / 1e6, "maximum clock from sysfs"
+    except (OSError, ValueError):
+        pass
+    try:
+        with open(cpuinfo, encoding="utf-8") as f:
+            for line in f:
+                if line.lower().startswith("cpu mhz"):
+                    mhz = float(line.split(":", 1)[1])
+                    if mhz > 0:
+                        return mhz / 1e3, "current clock from /proc/cpuinfo"
+    except (OSError, ValueError, IndexError):
+        pass
+    return None, "the CPU clock could not be read on this system"
+
+
+def _physical_cores() -> int:
+    """Cores this process may use, not counting SMT siblings (they share FMA units)."""
+    try:
+        import psutil
+
+        physical = psutil.cpu_count(logical=False)
+    except ImportError:
+        physical = None
+    return min(cpu_count(), physical) if physical else cpu_count()
+
+
+@dataclass(frozen=True)
+class PeakEstimate:
+    """The CPU's fp32 peak as cores x clock x FLOPs per cycle, or why it is unknown."""
+
+    cores: int
+    clock_ghz: float | None
+    flops_per_cycle: int | None
+    isa: str  # PyTorch's CPU capability, e.g. "AVX512"
+    clock_source: str  # where the clock came from, or why it is unknown
+
+    @property
+    def gflops(self) -> float | None:
+        """The estimated peak in GFLOP/s, or None when it cannot be known."""
+        if self.clock_ghz is None or self.flops_per_cycle is None:
+            return None
+        return self.cores * self.clock_ghz * self.flops_per_cycle
+
+    def __str__(self) -> str:
+        if self.clock_ghz is None:
+            return f"unknown: {self.clock_source}"
+        if self.flops_per_cycle is None:
+            return f"unknown: no FLOPs-per-cycle figure for the vector ISA {self.isa!r}"
+        return (
+            f"{self.gflops:.0f} GFLOP/s = {self.cores} cores x {self.clock_ghz:.2f} GHz x "
+            f"{self.flops_per_cycle} FLOP/cycle ({self.isa}, two FMA units assumed; "
+            f"{self.clock_source})"
+        )
+
+
+def estimate_cpu_peak(
+    *, cores: int | None = None, clock_ghz: float | None = None, isa: str | None = None
+) -> PeakEstimate:
+    """Estimate the CPU's fp32 peak; arguments override what is detected.
+
+    Args:
+        cores: physical cores (default: those this process may use).
+        clock_ghz: clock in GHz (default: ``read_cpu_clock()``).
+        isa: PyTorch's CPU capability (default: ``torch.backends.cpu.get_cpu_capability()``).
+    """
+    if cores is not None and cores < 1:
+        raise ValueError(f"A CPU has at least one core, not {cores}.")
+    if clock_ghz is not None and clock_ghz <= 0:
+        raise ValueError(f"The clock must be positive, not {clock_ghz} GHz.")
+    source = "clock given by the caller"
+    if clock_ghz is None:
+        clock_ghz, source = read_cpu_clock()
+    isa = isa or torch.backends.cpu.get_cpu_capability()
+    return PeakEstimate(
+        cores=cores or _physical_cores(),
+        clock_ghz=clock_ghz,
+        flops_per_cycle=FP32_FLOPS_PER_CYCLE.get(isa),
+        isa=isa,
+        clock_source=source,
+    )
+
+
+def measure_matmul_gflops(
+    n: int = 2048,
+    *,
+    device: torch.device | str = "cpu",
+    min_run_time: float = 0.3,
+    num_threads: int | None = None,
+) -> float:
+    """Measure fp32 ``n x n`` matrix-multiply throughput in GFLOP/s (2 n^3 FLOPs a call).
+
+    Args:
+        n: matrix size; large matrices come closest to the peak.
+        device: where to multiply.
+        min_run_time: seconds spent measuring, at least.
+        num_threads: intra-op CPU threads (default: the current setting).
+    """
+    if n < 1:
+        raise ValueError(f"The matrix size must be positive, not {n}.")
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    out = torch.empty(n, n, device=device)
+    timing = benchmark(
+        torch.mm, a, b, out=out, label="matmul", min_run_time=min_run_time, num_threads=num_threads
+    )
+    return 2 * n**3 / timing.median / 1e9
+
+
+def measure_bandwidth(
+    nbytes: int = 2**28, *, device: torch.device | str = "cpu", min_run_time: float = 0.3
+) -> float:
+    """Measure memory bandwidth in GB/s by copying ``nbytes`` between two buffers.
+
+    Bytes read plus bytes written are counted (2 x ``nbytes`` per copy), as
+    the STREAM benchmark's "copy" does. Use buffers much larger than the
+    caches, or the number measures the caches.
+    """
+    if nbytes < 4:
+        raise ValueError(f"Copy at least 4 bytes (one float32), not {nbytes}.")
+    src = torch.ones(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    timing = benchmark(dst.copy_, src, label="copy", min_run_time=min_run_time)
+    return 2 * src.nbytes / timing.median / 1e9
+
+
+@dataclass(frozen=True)
+class MachineLimits:
+    """Measured matmul throughput and bandwidth, and (on a CPU) the estimated peak."""
+
+    device: str
+    matmul_gflops: float  # measured fp32 matmul throughput
+    matmul_size: int  # n of the n x n matrices
+    bandwidth_gbs: float  # measured copy bandwidth, read + write
+    copy_bytes: int  # size of the copied buffer
+    peak: PeakEstimate | None  # None on accelerators
+    hardware: str
+
+    @property
+    def peak_fraction(self) -> float | None:
+        """Measured matmul throughput as a fraction of the estimated peak, if known."""
+        if self.peak is None or self.peak.gflops is None:
+            return None
+        return self.matmul_gflops / self.peak.gflops
+
+    def compare(self, gflops: float | None = None, gbs: float | None = None) -> str:
+        """Say how close an achieved GFLOP/s and/or GB/s come to these limits."""
+        parts = []
+        if gflops is not None:
+            text = f"{gflops:.3g} GFLOP/s is {gflops / self.matmul_gflops:.2f}x the matmul rate"
+            if self.peak is not None and self.peak.gflops is not None:
+                text += f" and {gflops / self.peak.gflops:.2f}x the estimated peak"
+            parts.append(text)
+        if gbs is not None:
+            parts.append(f"{gbs:.3g} GB/s is {gbs / self.bandwidth_gbs:.2f}x the copy bandwidth")
+        if not parts:
+            raise ValueError("Give an achieved gflops or gbs to compare.")
+        return "; ".join(parts) + " of this machine."
+
+    def __str__(self) -> str:
+        lines = [
+            f"fp32 matmul ({self.matmul_size} x {self.matmul_size}): {self.matmul_gflops:.3g} GFLOP/s",
+            f"memory bandwidth (copy of {self.copy_bytes / 2**20:.0f} MiB): "
+            f"{self.bandwidth_gbs:.3g} GB/s",
+        ]
+        if self.peak is None:
+            lines.append("peak fp32: not estimated on an accelerator (see its datasheet)")
+        else:
+            lines.append(f"peak fp32 estimate: {self.peak}")
+            if self.peak_fraction is not None:
+                lines.append(f"matmul reaches {self.peak_fraction:.2f}x the estimated peak")
+            else:
+                lines.append("matmul vs peak: unknown, only measured numbers are reported")
+        lines.append(f"Measured on: {self.hardware}")
+        return "\n".join(lines)
+
+
+def measure_limits(
+    device: torch.device | str = "cpu",
+    *,
+    n: int = 2048,
+    nbytes: int = 2**28,
+    min_run_time: float = 0.3,
+) -> MachineLimits:
+    """Measure matmul throughput and copy bandwidth on ``device`` (about 2 s).
+
+    On a CPU the peak is estimated too; on an accelerator it is left out.
+    """
+    device = torch.device(device)
+    return MachineLimits(
+        device=str(device),
+        matmul_gflops=measure_matmul_gflops(n, device=device, min_run_time=min_run_time),
+        matmul_size=n,
+        bandwidth_gbs=measure_bandwidth(nbytes, device=device, min_run_time=min_run_time),
+        copy_bytes=nbytes,
+        peak=estimate_cpu_peak() if device.type == "cpu" else None,
+        hardware=describe_hardware(),
+    )
