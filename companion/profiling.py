@@ -14,6 +14,7 @@ import json
 import os
 import re
 import tempfile
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,12 +81,18 @@ def make_profiler(*, all_threads: bool = True) -> profile:
     return profile(activities=activities, experimental_config=config)
 
 
+# A profile can export its trace only once: keep each export for later calls.
+_EXPORTED: weakref.WeakKeyDictionary[profile, Any] = weakref.WeakKeyDictionary()
+
+
 def _load_events(trace: profile | str | Path) -> list[dict[str, Any]]:
     if isinstance(trace, profile):
-        with tempfile.TemporaryDirectory() as folder:
-            path = Path(folder) / "trace.json"
-            trace.export_chrome_trace(str(path))
-            data = json.loads(path.read_text())
+        if trace not in _EXPORTED:
+            with tempfile.TemporaryDirectory() as folder:
+                path = Path(folder) / "trace.json"
+                trace.export_chrome_trace(str(path))
+                _EXPORTED[trace] = json.loads(path.read_text())
+        data = _EXPORTED[trace]
     else:
         path = Path(trace)
         if not path.is_file():

@@ -82,6 +82,11 @@ def test_profiler_sees_python_threads():
     assert sorted(i.name for i in intervals) == ["main", "worker 0", "worker 1"]
     assert len({i.row for i in intervals}) == 3
     assert all(i.end > i.start for i in intervals)
+    # A profile exports its trace once; asking again gives the same intervals.
+    again = trace_intervals(prof, names=["worker"])
+    workers = [i for i in intervals if i.name != "main"]
+    assert [(i.row, i.name) for i in again] == [(i.row, i.name) for i in workers]
+    assert [i.duration for i in again] == pytest.approx([i.duration for i in workers])
 
 
 def test_plot_timeline_one_row_per_thread():
