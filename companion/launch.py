@@ -129,6 +129,8 @@ def launch(
             # Read in the calling thread, so that a notebook shows the lines
             # in the cell that launched the script.
             for line in proc.stdout:
+                if timed_out.is_set():
+                    continue  # the dying processes' complaints about SIGTERM
                 print(line, end="", flush=True)
                 tail.append(line.rstrip())
             returncode = proc.wait()

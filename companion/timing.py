@@ -9,6 +9,7 @@ Every result carries the hardware it was measured on. Used in chapters 05 to 11.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ class Timing:
     label: str
     median: float  # seconds per call
     iqr: float  # seconds, interquartile range of the per-call times
-    runs: int  # how many timed blocks the median is over
+    runs: int  # timed blocks the median is over
     hardware: str
 
     def __str__(self) -> str:
@@ -59,18 +60,24 @@ def benchmark(
     *args: Any,
     label: str = "",
     warmup: int = 2,
+    repeats: int = 7,
     min_run_time: float = 0.2,
     num_threads: int | None = None,
     **kwargs: Any,
 ) -> Timing:
     """Time ``fn(*args, **kwargs)`` and return its median time per call.
 
+    After ``warmup`` calls, ``repeats`` blocks of calls are timed, each block
+    about ``min_run_time / repeats`` seconds long; the median and the
+    interquartile range are over the blocks' per-call times.
+
     Args:
         fn: the function to time; its result is discarded.
         label: a name for the result.
         warmup: calls made before timing (first calls allocate memory, pick
             kernels and compile).
-        min_run_time: seconds spent measuring, at least; more runs, less noise.
+        repeats: timed blocks (at least 1); more blocks, a better spread.
+        min_run_time: seconds spent measuring, roughly; more time, less noise.
         num_threads: intra-op threads while timing (default: the current setting).
     """
     # Imported here: importing it logs a "No CUDA runtime" line on CPU-only
@@ -86,12 +93,16 @@ def benchmark(
         num_threads=num_threads or torch.get_num_threads(),
         label=label,
     )
-    measurement = timer.blocked_autorange(min_run_time=min_run_time)
+    # The Timer synchronises the accelerator before reading the clock.
+    once = timer.timeit(1).median
+    number = max(1, int(min_run_time / max(repeats, 1) / max(once, 1e-9)))
+    times = sorted(timer.timeit(number).median for _ in range(max(repeats, 1)))
+    q1, q3 = (statistics.quantiles(times, n=4)[::2] if len(times) > 1 else (times[0], times[0]))
     return Timing(
         label=label,
-        median=measurement.median,
-        iqr=measurement.iqr,
-        runs=len(measurement.times),
+        median=statistics.median(times),
+        iqr=q3 - q1,
+        runs=len(times),
         hardware=describe_hardware(),
     )
 

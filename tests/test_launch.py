@@ -1,0 +1,108 @@
+"""companion.launch: results back from real processes; time-outs and interrupts leave nothing behind.
+
+The two-process runs happen inside a real Jupyter kernel, as in a notebook.
+"""
+
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from jupyter_client.manager import start_new_kernel
+
+from companion.launch import LaunchError, LaunchTimeout, launch, script_path
+
+HANG = str(Path(__file__).parent / "scripts" / "hang.py")
+
+
+def recorded_pids(pid_dir: Path) -> set[int]:
+    """The pids the hang script's processes wrote, and their parents (the launcher)."""
+    pids = set()
+    for f in pid_dir.iterdir():
+        pids |= {int(f.name), int(f.read_text())}
+    return pids
+
+
+def wait_for_files(pid_dir: Path, count: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while len(list(pid_dir.iterdir())) < count:
+        assert time.monotonic() < deadline, "the hang script never started"
+        time.sleep(0.2)
+
+
+def alive(pids: set[int]) -> set[int]:
+    return {p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE}
+
+
+def test_plain_python_runs_one_process():
+    assert launch("hello_distributed.py", nproc=None, timeout=60)["world_size"] == 1
+
+
+def test_failing_script_gives_one_sentence(tmp_path):
+    with pytest.raises(LaunchError, match="exit code 3; its last line: hang.py: something went wrong"):
+        launch(HANG, ["--pid-dir", str(tmp_path), "--fail"], nproc=None, timeout=60)
+
+
+def test_unknown_script_is_one_sentence():
+    with pytest.raises(FileNotFoundError, match="There is no script 'nope.py'.*available: .*hello_distributed.py"):
+        script_path("nope.py")
+
+
+@pytest.fixture
+def kernel():
+    manager, client = start_new_kernel(kernel_name="python3")
+    yield manager, client
+    client.stop_channels()
+    manager.shutdown_kernel(now=True)
+
+
+def run_in_kernel(client, code: str, timeout: float = 180) -> str:
+    """Execute ``code`` in the kernel; return what it printed (stdout and errors)."""
+    msg_id = client.execute(textwrap.dedent(code))
+    out = []
+    while True:
+        msg = client.get_iopub_msg(timeout=timeout)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "stream":
+            out.append(content["text"])
+        elif kind == "error":
+            out.append(f"{content['ename']}: {content['evalue']}")
+        elif kind == "status" and content["execution_state"] == "idle":
+            return "".join(out)
+
+
+def test_from_a_notebook_kernel(kernel, tmp_path):
+    _, client = kernel
+    out = run_in_kernel(client, """
+        from companion import launch, setup_notebook
+        setup_notebook()
+        print("RESULT", launch("hello_distributed.py", nproc=2, timeout=120))
+    """)
+    assert "[rank 0] 2 process(es), backend gloo: sum = 3" in out  # streamed into the cell
+    assert "RESULT {'world_size': 2, 'backend': 'gloo', 'sum': 3.0}" in out
+
+    start = time.monotonic()
+    out = run_in_kernel(client, f"launch({HANG!r}, ['--pid-dir', {str(tmp_path)!r}], nproc=2, timeout=15)")
+    assert time.monotonic() - start < 40
+    assert "LaunchTimeout: hang.py did not finish within 15 s" in out
+    assert "Traceback" not in out  # one sentence, thanks to setup_notebook()
+    pids = recorded_pids(tmp_path)
+    assert len(pids) == 3  # two workers and the torchrun agent
+    assert not alive(pids)
+
+
+def test_interrupting_the_kernel_leaves_no_process(kernel, tmp_path):
+    manager, client = kernel
+    msg_id = client.execute(
+        f"from companion import launch\nlaunch({HANG!r}, ['--pid-dir', {str(tmp_path)!r}], nproc=2, timeout=300)"
+    )
+    wait_for_files(tmp_path, 2)
+    manager.interrupt_kernel()  # what the notebook's stop button does
+    reply = client.get_shell_msg(timeout=60)
+    while reply["parent_header"].get("msg_id") != msg_id:  # skip replies to earlier requests
+        reply = client.get_shell_msg(timeout=60)
+    assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
+    assert not alive(recorded_pids(tmp_path))
