@@ -1,0 +1,86 @@
+"""The book's structure: every chapter is listed, follows the skeleton, is stored
+executed, and every file the prose tells readers to run exists."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+PROSE = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "book").glob("*.md"))]
+PROSE += sorted((ROOT / "companion" / "scripts").glob("*.sbatch"))
+
+
+def toc_files() -> list[str]:
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    files = [toc["root"]]
+    for part in toc.get("parts", []):
+        files += [chapter["file"] for chapter in part["chapters"]]
+    return files
+
+
+def cells(path: Path) -> list[dict]:
+    return json.loads(path.read_text())["cells"]
+
+
+def text(cell: dict) -> str:
+    return "".join(cell["source"])
+
+
+def test_toc_lists_every_notebook_and_only_existing_files():
+    listed = toc_files()
+    for entry in listed:
+        assert (ROOT / f"{entry}.md").is_file() or (ROOT / f"{entry}.ipynb").is_file(), entry
+    for nb in NOTEBOOKS:
+        assert f"notebooks/{nb.stem}" in listed, f"{nb.name} is missing from _toc.yml"
+
+
+def test_readme_lists_every_chapter():
+    readme = (ROOT / "README.md").read_text()
+    for nb in NOTEBOOKS:
+        assert f"(notebooks/{nb.name})" in readme, f"README.md does not list {nb.name}"
+
+
+PATH_PATTERN = re.compile(r"(?:companion|notebooks|tools|tests|book)/[\w./-]+\.(?:py|ipynb|sbatch|sh|md|cfg)")
+
+
+@pytest.mark.parametrize("doc", PROSE, ids=lambda p: str(p.relative_to(ROOT)))
+def test_files_named_in_prose_exist(doc):
+    for name in PATH_PATTERN.findall(doc.read_text()):
+        if "NN_" in name or "<" in name:  # placeholders in the how-to guide
+            continue
+        assert (ROOT / name).exists(), f"{doc.name} names {name}, which does not exist"
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_follows_the_skeleton(nb):
+    markdown = [text(c) for c in cells(nb) if c["cell_type"] == "markdown"]
+    body = "\n".join(markdown)
+    titles = [line for line in body.splitlines() if re.match(r"# \S", line)]
+    assert len(titles) == 1, f"{nb.name} needs exactly one '#' title, has {titles}"
+    assert re.match(r"\(\w+\)=\s*\n# ", markdown[0]), f"{nb.name} must open with a label and its title"
+    for heading in ("## Overview", "## Summary", "## Exercises"):
+        assert heading in body, f"{nb.name} has no {heading!r} section"
+    exercises = re.findall(r":label: (\w+)", body)
+    assert exercises, f"{nb.name} has no exercises"
+    for label in exercises:
+        assert re.search(rf"```{{solution-start}} {label}\s*\n:class: dropdown", body), (
+            f"{nb.name}: exercise {label} has no hidden solution"
+        )
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_is_stored_executed_without_errors(nb):
+    data = json.loads(nb.read_text())
+    assert data["metadata"]["kernelspec"]["name"] == "python3"
+    for cell in data["cells"]:
+        if cell["cell_type"] != "code" or not text(cell).strip():
+            continue
+        assert cell["execution_count"] is not None, f"{nb.name} has a cell never executed"
+        if "raises-exception" in cell["metadata"].get("tags", []):
+            continue
+        errors = [o for o in cell["outputs"] if o["output_type"] == "error"]
+        assert not errors, f"{nb.name} stores an error: {errors[0]['ename']}"
