@@ -202,5 +202,5 @@ def plot_timeline(
         ax.set_title(title)
     ax.grid(axis="x", alpha=0.3)
     if names and len(names) <= 10:
-        ax.legend(loc="upper right", fontsize="small")
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False)
     return ax
