@@ -1,0 +1,99 @@
+"""A data set whose items cost real CPU work, for measuring ``DataLoader`` workers.
+
+Real image pipelines keep pictures compressed and decode and augment each one
+when it is read; that per-item work is what ``num_workers > 0`` spreads over
+processes. ``JpegImageDataset`` does the same with small images held as JPEG
+bytes in memory (no files, no download), decoded with Pillow as torchvision's
+``ImageFolder`` does.
+
+The class lives in a module, not in a notebook: worker processes started with
+the ``spawn`` method (the default on macOS and Windows) import it by name,
+which they cannot do for a class defined in a notebook's ``__main__``.
+
+Used in chapter 03.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torch.utils.data import Dataset
+from torchvision.transforms import v2
+
+__all__ = ["JpegImageDataset"]
+
+
+class JpegImageDataset(Dataset):
+    """Images stored as JPEG bytes; each item is decoded and augmented when read.
+
+    Reading item ``i`` decodes its JPEG, takes a random crop of random size
+    and aspect ratio resized to ``crop_size`` x ``crop_size``, flips it
+    horizontally half of the time and scales it to floats in [0, 1].
+
+    Args:
+        images: ``(N, C, H, W)`` floats in [0, 1], with 1 or 3 channels.
+        labels: ``N`` class labels.
+        stored_size: side of the stored (upscaled) JPEG images, in pixels.
+        crop_size: side of the images the data set returns, in pixels.
+        quality: JPEG quality, 1 to 100.
+    """
+
+    def __init__(
+        self,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        stored_size: int = 192,
+        crop_size: int = 128,
+        quality: int = 90,
+    ) -> None:
+        if images.ndim != 4 or images.shape[1] not in (1, 3):
+            raise ValueError(
+                f"images must have shape (N, 1 or 3, H, W), not {tuple(images.shape)}."
+            )
+        if len(images) != len(labels):
+            raise ValueError(
+                f"images and labels differ in length ({len(images)} vs {len(labels)})."
+            )
+        resized = F.interpolate(
+            images, size=(stored_size, stored_size), mode="bilinear", align_corners=False
+        )
+        pixels = (resized.clamp(0, 1) * 255).round().to(torch.uint8)
+        pixels = pixels.permute(0, 2, 3, 1).squeeze(-1).numpy()  # (N, H, W[, 3]) for Pillow
+        encoded = [_encode_jpeg(image, quality) for image in pixels]
+        # One bytes object plus offsets, rather than N small ones: cheap to
+        # pickle for a worker started with "spawn".
+        self.jpeg_bytes = b"".join(encoded)
+        self.offsets = [0]
+        for blob in encoded:
+            self.offsets.append(self.offsets[-1] + len(blob))
+        self.labels = labels
+        # v2 transforms are plain picklable objects, so workers receive copies.
+        self.augment = v2.Compose(
+            [
+                v2.RandomResizedCrop(crop_size, antialias=True),
+                v2.RandomHorizontalFlip(),
+                v2.PILToTensor(),
+                v2.ToDtype(torch.float32, scale=True),
+            ]
+        )
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start, end = self.offsets[index], self.offsets[index + 1]
+        with Image.open(io.BytesIO(self.jpeg_bytes[start:end])) as image:
+            image.load()  # decode now
+            return self.augment(image), self.labels[index]
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+def _encode_jpeg(pixels: np.ndarray, quality: int) -> bytes:
+    """Return the JPEG encoding of one ``(H, W)`` or ``(H, W, 3)`` uint8 image."""
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="JPEG", quality=quality)
+    return buffer.getvalue()
