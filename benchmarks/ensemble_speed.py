@@ -21,7 +21,7 @@ import sys
 import torch
 
 from companion.devices import try_gpu
-from companion.ensemble import SGD, Adam, benchmark_ensemble, format_speed_table
+from companion.ensemble import SGD, Adam, benchmark_ensemble, format_speed_table, speed_verdicts
 
 
 def parse_args() -> argparse.Namespace:
@@ -54,13 +54,7 @@ def main() -> None:
         device=device,
     )
     print(format_speed_table(rows))
-    for row in rows:
-        if row["models"] >= args.target_from:
-            verdict = "met" if row["compiled speed-up"] >= args.target else "NOT met"
-            print(
-                f"{row['models']} models: compiled vmap is {row['compiled speed-up']:.1f}x "
-                f"the loop's speed (target {args.target:g}x: {verdict})"
-            )
+    print("\n".join(speed_verdicts(rows, target=args.target, from_models=args.target_from)))
 
 
 if __name__ == "__main__":
