@@ -299,12 +299,25 @@ def named_files(text: str) -> set[str]:
     return set(re.findall(r"(?<![\w/.:-])((?:[\w.-]+/)*[\w.-]+\.(?:py|sbatch|sh|ipynb))\b", text))
 
 
+def exists(name: str) -> bool:
+    """A path is relative to the repository's root; a bare file name is one of the scripts."""
+    return (ROOT / name).is_file() if "/" in name else (SBATCH.parent / name).is_file()
+
+
 @pytest.mark.parametrize("path", [SBATCH, CLUSTER_PAGE], ids=lambda p: p.name)
 def test_every_named_file_exists(path):
     names = named_files(path.read_text())
     assert "companion/scripts/ddp_train.py" in names
-    missing = sorted(n for n in names if not (ROOT / n).is_file())
+    missing = sorted(n for n in names if not exists(n))
     assert not missing, f"{path.name} names files that do not exist: {missing}"
+
+
+def test_every_command_on_the_cluster_page_names_an_existing_file():
+    blocks = re.findall(r"```bash\n(.*?)```", CLUSTER_PAGE.read_text(), re.S)
+    assert len(blocks) >= 5
+    for block in blocks:
+        names = named_files(block)
+        assert names and all((ROOT / n).is_file() for n in names), block
 
 
 def test_sbatch_file_trains_with_stand_ins_for_slurm(tmp_path):

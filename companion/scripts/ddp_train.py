@@ -102,8 +102,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def read_topology() -> tuple[int, int, int, int, int]:
-    """Return ``rank, local_rank, world_size, local_world_size, node_rank``.
+def read_topology() -> tuple[int, int, int, int]:
+    """Return ``rank, local_rank, world_size, local_world_size``.
 
     From torchrun's (or mp.spawn's) RANK/LOCAL_RANK/WORLD_SIZE, else SLURM's
     SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS, else one process.
@@ -112,8 +112,7 @@ def read_topology() -> tuple[int, int, int, int, int]:
     if "RANK" in env:
         world_size = int(env["WORLD_SIZE"])
         local_world_size = int(env.get("LOCAL_WORLD_SIZE", world_size))
-        return (int(env["RANK"]), int(env["LOCAL_RANK"]), world_size, local_world_size,
-                int(env.get("GROUP_RANK", 0)))  # fmt: skip
+        return int(env["RANK"]), int(env["LOCAL_RANK"]), world_size, local_world_size
     if "SLURM_PROCID" in env:
         world_size, nodes = int(env["SLURM_NTASKS"]), int(env.get("SLURM_NNODES", 1))
         if nodes > 1 and "MASTER_ADDR" not in env:
@@ -122,11 +121,16 @@ def read_topology() -> tuple[int, int, int, int, int]:
         env.setdefault("MASTER_ADDR", "127.0.0.1")
         env.setdefault("MASTER_PORT", "29500")
         local_world_size = int(env.get("SLURM_NTASKS_PER_NODE", world_size // nodes))
-        return (int(env["SLURM_PROCID"]), int(env["SLURM_LOCALID"]), world_size, local_world_size,
-                int(env.get("SLURM_NODEID", 0)))  # fmt: skip
+        return int(env["SLURM_PROCID"]), int(env["SLURM_LOCALID"]), world_size, local_world_size
     env.setdefault("MASTER_ADDR", "127.0.0.1")
-    env.setdefault("MASTER_PORT", str(free_port()))
-    return 0, 0, 1, 1, 0
+    if "MASTER_PORT" not in env:
+        env["MASTER_PORT"] = str(free_port())
+    return 0, 0, 1, 1
+
+
+def node_rank() -> int:
+    """Return the number of this process's node: torchrun's GROUP_RANK, SLURM's SLURM_NODEID, else 0."""
+    return int(os.environ.get("GROUP_RANK", os.environ.get("SLURM_NODEID", 0)))
 
 
 def pick_device(backend: str, local_rank: int, local_world_size: int) -> tuple[str, torch.device]:
@@ -149,10 +153,13 @@ def pick_device(backend: str, local_rank: int, local_world_size: int) -> tuple[s
 
 def setup_distributed(args: argparse.Namespace) -> tuple[int, int, int, torch.device]:
     """Join the process group and return ``rank, local_rank, world_size, device``."""
-    rank, local_rank, world_size, local_world_size, _ = read_topology()
+    rank, local_rank, world_size, local_world_size = read_topology()
     backend, device = pick_device(args.backend, local_rank, local_world_size)
-    if device.type == "cpu" and local_world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(1)  # processes share the cores: more threads each would oversubscribe them
+    if device.type == "cpu" and local_world_size > 1:
+        # The processes share the cores: more threads than their share (one each
+        # on a small machine) would oversubscribe them. torchrun sets 1 already.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(min(torch.get_num_threads(), max(1, cores // local_world_size)))
     try:
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=args.timeout))  # fmt: skip
@@ -302,8 +309,7 @@ def train(args: argparse.Namespace) -> None:
               "dtype": args.dtype, "steps": total_steps}  # fmt: skip
 
     # Who is where: every rank reports, rank 0 prints (lines tagged with rank 0 only).
-    _, _, _, _, node_rank = read_topology()
-    me = {"rank": rank, "local_rank": local_rank, "node_rank": node_rank, "host": socket.gethostname(),
+    me = {"rank": rank, "local_rank": local_rank, "node_rank": node_rank(), "host": socket.gethostname(),
           "device": str(device), "threads": torch.get_num_threads(),
           "train_shard": train_samples // world_size, "test_shard": len(range(rank, test_samples, world_size))}
     ranks: list[dict] = [{}] * world_size
