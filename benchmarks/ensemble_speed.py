@@ -27,12 +27,12 @@ from companion.ensemble import SGD, Adam, benchmark_ensemble, format_speed_table
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", type=int, nargs="+", default=[8, 32, 128])  # ensemble sizes
-    parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")  # functional optimiser
+    parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")  # optimiser
     parser.add_argument("--threads", type=int, default=1)  # intra-op threads (compile and timing)
     parser.add_argument("--min-run-time", type=float, default=1.0)  # seconds of timing per entry
     parser.add_argument("--mode", default=None)  # torch.compile mode; None = "default"
-    parser.add_argument("--target", type=float, default=5.0)  # wanted speed-up of compiled over loop
-    parser.add_argument("--target-from", type=int, default=32)  # check the target from this many models
+    parser.add_argument("--target", type=float, default=5.0)  # wanted compiled/loop speed-up
+    parser.add_argument("--target-from", type=int, default=32)  # check it from this many models
     return parser.parse_args()
 
 

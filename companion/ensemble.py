@@ -43,6 +43,7 @@ __all__ = [
     "MLP",
     "SGD",
     "Adam",
+    "Optimizer",
     "Params",
     "OptState",
     "TrainStep",
@@ -159,16 +160,21 @@ def make_train_step(model: nn.Module, optimizer: Optimizer) -> TrainStep:
 
 
 def init_ensemble(
-    num_models: int, optimizer: Optimizer, *, hidden_dim: int = 32, device: torch.device | str = "cpu"
+    num_models: int,
+    optimizer: Optimizer,
+    *,
+    hidden_dim: int = 32,
+    device: torch.device | str = "cpu",
 ) -> tuple[nn.Module, Params, OptState]:
     """Return a template model, stacked parameters and stacked optimiser state.
 
     Each of the ``num_models`` models gets its own random initialisation (from
     the global generator). Every tensor has a leading dim of size
     ``num_models``. The stacked parameters are detached: ``stack_module_state``
-    returns leaves that require grad, and a compiled step over those fails with
-    an in-place autograd error (the functional step needs no autograd history
-    on them anyway).
+    returns leaves that require grad, and the functional step needs no autograd
+    history on them. Without detaching, every step would record the new
+    parameters' dependence on the old ones, a graph that grows all training
+    long (and a compiled step would carry a backward graph it never uses).
     """
     if num_models < 1:
         raise ValueError(f"An ensemble needs at least one model, not {num_models}.")
@@ -300,6 +306,48 @@ def predict_grid(
     return logits.softmax(dim=-1)[..., 1].reshape(-1, len(ys), len(xs))
 
 
+def _time_three_ways(
+    step: TrainStep,
+    compiled_vmap: Callable[..., Any],
+    params: Params,
+    opt_state: OptState,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    min_run_time: float,
+) -> dict[str, Any]:
+    """Time one step of the stacked models: loop, eager vmap, compiled vmap (compiles first)."""
+    n = inputs.shape[0]
+    per_model = list(
+        zip(unstack(params, n), unstack(opt_state, n), inputs.unbind(), targets.unbind())
+    )
+
+    def loop() -> None:
+        for p, s, x, y in per_model:
+            step(p, s, x, y)
+
+    synchronize()
+    start = time.perf_counter()
+    compiled_vmap(params, opt_state, inputs, targets)
+    synchronize()
+    compile_time = time.perf_counter() - start
+
+    args = (params, opt_state, inputs, targets)
+    loop_time = benchmark(loop, label=f"loop, {n} models", min_run_time=min_run_time)
+    vmap_time = benchmark(vmap(step), *args, label=f"vmap, {n} models", min_run_time=min_run_time)
+    compiled_time = benchmark(
+        compiled_vmap, *args, label=f"compiled vmap, {n} models", min_run_time=min_run_time
+    )
+    return {
+        "models": n,
+        "loop": loop_time,
+        "vmap": vmap_time,
+        "compiled": compiled_time,
+        "vmap speed-up": loop_time.median / vmap_time.median,
+        "compiled speed-up": loop_time.median / compiled_time.median,
+        "compile": compile_time,
+    }
+
+
 def benchmark_ensemble(
     model_counts: Sequence[int] = (8, 32, 128),
     *,
@@ -316,10 +364,11 @@ def benchmark_ensemble(
     data set, ``optimizer`` default ``SGD()``): a Python loop over the models,
     eager ``vmap``, and ``vmap`` under ``torch.compile(fullgraph=True,
     dynamic=False)``. The compiled step is built once and compiled once per
-    model count (shapes are static); the first call, which compiles, is timed
-    apart as ``compile`` (seconds). Each row holds ``Timing`` medians and the
-    speed-ups over the loop as floats; ``format_speed_table`` lays them out.
-    Everything runs with the current ``torch.get_num_threads()``.
+    model count (shapes are static); the first call, which compiles (and runs
+    once), is timed apart as ``compile`` (seconds). Each row holds ``Timing``
+    medians (``loop``, ``vmap``, ``compiled``) and the speed-ups over the loop
+    as floats; ``format_speed_table`` lays them out. Everything runs with the
+    current ``torch.get_num_threads()``.
     """
     if not model_counts or min(model_counts) < 1:
         raise ValueError(f"model_counts must be positive numbers of models, not {model_counts}.")
@@ -328,54 +377,26 @@ def benchmark_ensemble(
     optimizer = optimizer or SGD()
     generator = torch.Generator().manual_seed(0)
     points, labels = make_spirals(num_points, noise_std=0.05, generator=generator, device=device)
-    template = MLP().to("meta")
-    step = make_train_step(template, optimizer)
-    eager_vmap = vmap(step)
+    step = make_train_step(MLP().to("meta"), optimizer)
     compiled_vmap = torch.compile(vmap(step), fullgraph=True, dynamic=False, mode=compile_mode)
     rows = []
-    for n in model_counts:
-        _, params, opt_state = init_ensemble(n, optimizer, device=device)
-        idx = sample_subsets(n, num_points, subset_size, generator=generator).to(device)
-        inputs, targets = points[idx], labels[idx]
-        per_model = list(
-            zip(unstack(params, n), unstack(opt_state, n), inputs.unbind(), targets.unbind())
-        )
-
-        def loop() -> None:
-            for p, s, x, y in per_model:
-                step(p, s, x, y)
-
-        synchronize()
-        start = time.perf_counter()
-        compiled_vmap(params, opt_state, inputs, targets)
-        synchronize()
-        compile_time = time.perf_counter() - start
-
-        times: dict[str, Timing] = {
-            "loop": benchmark(loop, label=f"loop, {n} models", min_run_time=min_run_time),
-            "vmap": benchmark(
-                eager_vmap, params, opt_state, inputs, targets,
-                label=f"vmap, {n} models", min_run_time=min_run_time,
-            ),
-            "compiled": benchmark(
-                compiled_vmap, params, opt_state, inputs, targets,
-                label=f"compiled vmap, {n} models", min_run_time=min_run_time,
-            ),
-        }  # fmt: skip
-        rows.append(
-            {
-                "models": n,
-                **times,
-                "vmap speed-up": times["loop"].median / times["vmap"].median,
-                "compiled speed-up": times["loop"].median / times["compiled"].median,
-                "compile": compile_time,
-            }
-        )
+    # One compiled entry per model count: lift Dynamo's limit (8) if needed,
+    # or the extra counts would silently fall back to eager code.
+    limit = max(torch._dynamo.config.recompile_limit, len(model_counts) + 1)
+    with torch._dynamo.config.patch(recompile_limit=limit):
+        for n in model_counts:
+            _, params, opt_state = init_ensemble(n, optimizer, device=device)
+            idx = sample_subsets(n, num_points, subset_size, generator=generator).to(device)
+            rows.append(
+                _time_three_ways(
+                    step, compiled_vmap, params, opt_state, points[idx], labels[idx], min_run_time
+                )
+            )
     return rows
 
 
 def format_speed_table(rows: Sequence[dict[str, Any]]) -> str:
-    """Lay out ``benchmark_ensemble``'s rows: times per step, speed-ups as ``3.2x``, compile time."""
+    """Lay out ``benchmark_ensemble``'s rows: step times, speed-ups (``3.2x``), compile time."""
     table = [
         {
             "models": row["models"],
@@ -393,10 +414,13 @@ def format_speed_table(rows: Sequence[dict[str, Any]]) -> str:
     return format_table(table, title=title)
 
 
-def speed_verdicts(rows: Sequence[dict[str, Any]], *, target: float = 5.0, from_models: int = 32) -> list[str]:
-    """Say, for each row with at least ``from_models`` models, whether compiled vmap beat the loop ``target``-fold."""
+def speed_verdicts(
+    rows: Sequence[dict[str, Any]], *, target: float = 5.0, from_models: int = 32
+) -> list[str]:
+    """Say, for each row of ``from_models`` models or more, if compiled vmap met ``target``."""
     return [
-        f"{row['models']} models: compiled vmap ran {row['compiled speed-up']:.1f}x the loop's speed "
+        f"{row['models']} models: compiled vmap ran "
+        f"{row['compiled speed-up']:.1f}x the loop's speed "
         f"(target {target:g}x: {'met' if row['compiled speed-up'] >= target else 'NOT met'})"
         for row in rows
         if row["models"] >= from_models

@@ -98,9 +98,9 @@ def test_vmap_ensemble_equals_python_loop(spirals, optimizer, subset_size):
     points, labels = spirals
     template, params, state = init_ensemble(4, optimizer)
     step = make_train_step(template, optimizer)
-    kwargs = dict(subset_size=subset_size, seed=3)
-    v_loss, v_params, v_state = train_vmap(step, params, state, points, labels, TOLERANCE_STEPS, **kwargs)
-    l_loss, l_params, l_state = train_loop(step, params, state, points, labels, TOLERANCE_STEPS, **kwargs)
+    args = (step, params, state, points, labels, TOLERANCE_STEPS)
+    v_loss, v_params, v_state = train_vmap(*args, subset_size=subset_size, seed=3)
+    l_loss, l_params, l_state = train_loop(*args, subset_size=subset_size, seed=3)
     assert v_loss.shape == (TOLERANCE_STEPS, 4)
     torch.testing.assert_close(v_loss, l_loss, atol=TOLERANCE, rtol=0)
     for k in params:
