@@ -76,8 +76,10 @@ def make_profiler(*, all_threads: bool = True) -> profile:
         activities.append(ProfilerActivity.CUDA)
     if not all_threads:
         return profile(activities=activities)
-    # profile_all_threads is an experimental option (torch >= 2.8).
-    config = torch.profiler._ExperimentalConfig(profile_all_threads=True)
+    try:  # an experimental option of recent PyTorch versions
+        config = torch.profiler._ExperimentalConfig(profile_all_threads=True)
+    except TypeError:  # older PyTorch: the calling thread and PyTorch's pools only
+        return profile(activities=activities)
     return profile(activities=activities, experimental_config=config)
 
 
