@@ -50,8 +50,15 @@ class UsageError(Exception):
     """Bad input: the message is one sentence saying what is wrong and what to do."""
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        """Print one line, not the usage block (``--help`` shows that), and exit with code 2."""
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog=SCRIPT, description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps in all (default: 200)")
     parser.add_argument("--epochs", type=float, default=None,
                         help="train for this many passes over the data instead of --steps (default: unset)")
@@ -85,6 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}.")
     if args.epochs is not None and args.epochs <= 0:
         parser.error(f"--epochs must be positive, not {args.epochs}.")
+    if args.spawn < 0:
+        parser.error(f"--spawn must be 0 or more, not {args.spawn}.")
     if args.timeout <= 0:
         parser.error(f"--timeout must be positive, not {args.timeout}.")
     if args.fail_at_step and not args.checkpoint_dir:
