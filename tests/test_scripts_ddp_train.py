@@ -178,6 +178,24 @@ def test_help_lists_the_options(capsys):
     assert "--fail-at-step" not in text  # testing aid, hidden
 
 
+def test_checkpoints_are_atomic_pruned_and_checked(tmp_path):
+    ddp_train = load_script_module()
+    config = {"global_batch_size": 64, "lr": 0.05, "seed": 0, "samples": 2048, "dtype": "float32", "steps": 30}
+    model = torch.nn.Linear(2, 2)
+    for step in (10, 20, 30):
+        state = {"model": model.state_dict(), "optimizer": {}, "step": step, "losses": [1.0] * step, "config": config}
+        ddp_train.save_checkpoint(tmp_path, state, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000020.pt", "step-000030.pt"]  # no .tmp left
+    newest = ddp_train.newest_checkpoint(tmp_path)
+    assert newest.name == "step-000030.pt"
+    assert ddp_train.load_checkpoint(newest, torch.device("cpu"), config)["step"] == 30
+    with pytest.raises(ddp_train.UsageError, match="was written with lr=0.05, not 0.1;"):
+        ddp_train.load_checkpoint(newest, torch.device("cpu"), {**config, "lr": 0.1})
+    torch.save({"model": {}}, tmp_path / "step-000040.pt")  # readable, but not a checkpoint of this script
+    with pytest.raises(ddp_train.UsageError, match="step-000040.pt cannot be read"):
+        ddp_train.load_checkpoint(tmp_path / "step-000040.pt", torch.device("cpu"), config)
+
+
 @pytest.mark.parametrize("argv", [["--steps", "0"], ["--lr", "fast"], ["--fail-at-step", "3"]])
 def test_bad_arguments_get_one_line(argv, capsys):
     ddp_train = load_script_module()

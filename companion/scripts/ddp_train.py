@@ -239,6 +239,7 @@ def param_checksum(model: nn.Module) -> tuple[str, float]:
 
 # ---------------------------------------------------------------- checkpoints
 
+CHECKPOINT_KEYS = {"model", "optimizer", "step", "losses", "config"}
 # The settings a checkpoint must share with the run that resumes from it.
 RESUME_KEYS = ("global_batch_size", "lr", "seed", "samples", "dtype")
 
@@ -265,15 +266,15 @@ def load_checkpoint(path: Path, device: torch.device, config: dict) -> dict:
     """Load a checkpoint that rank 0 chose; every rank reads it to its own device."""
     try:
         state = torch.load(path, map_location=device, weights_only=True)
-        saved = state["config"]
-        state["model"], state["optimizer"], state["step"], state["losses"]  # noqa: B018 (all must be there)
     except Exception:  # a truncated file raises one of several types, depending on where it breaks
+        state = None
+    if not isinstance(state, dict) or not CHECKPOINT_KEYS <= state.keys():
         raise UsageError(f"checkpoint {path} cannot be read (it is corrupt or not one of this script's); "
-                         "delete it to resume from an older one.") from None
+                         "delete it to resume from an older one.")
     for key in RESUME_KEYS:
-        if saved[key] != config[key]:
-            raise UsageError(f"checkpoint {path} was written with {key}={saved[key]}, not {config[key]}; "
-                             "use the same settings or another --checkpoint-dir.")
+        if state["config"].get(key) != config[key]:
+            raise UsageError(f"checkpoint {path} was written with {key}={state['config'].get(key)}, not "
+                             f"{config[key]}; use the same settings or another --checkpoint-dir.")
     return state
 
 
