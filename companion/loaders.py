@@ -10,21 +10,27 @@ The class lives in a module, not in a notebook: worker processes started with
 the ``spawn`` method (the default on macOS and Windows) import it by name,
 which they cannot do for a class defined in a notebook's ``__main__``.
 
+``measure_loading_cpu`` reports the CPU time an epoch of loading costs each
+process. Unlike wall-clock time, it barely changes when other programs compete
+for the cores, so it shows what workers do even on a busy machine.
+
 Used in chapter 03.
 """
 
 from __future__ import annotations
 
 import io
+from dataclasses import dataclass
 
 import numpy as np
+import psutil
 import torch
 import torch.nn.functional as F
 from PIL import Image
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 
-__all__ = ["JpegImageDataset"]
+__all__ = ["JpegImageDataset", "LoadingCpu", "measure_loading_cpu"]
 
 
 class JpegImageDataset(Dataset):
@@ -97,3 +103,50 @@ def _encode_jpeg(pixels: np.ndarray, quality: int) -> bytes:
     buffer = io.BytesIO()
     Image.fromarray(pixels).save(buffer, format="JPEG", quality=quality)
     return buffer.getvalue()
+
+
+@dataclass(frozen=True)
+class LoadingCpu:
+    """CPU seconds that one epoch of loading cost, by process."""
+
+    main: float  # the process that iterates over the loader
+    workers: tuple[float, ...]  # each worker process (empty with num_workers=0)
+
+
+def measure_loading_cpu(
+    dataset: Dataset, *, num_workers: int, batch_size: int = 64, epochs: int = 2
+) -> LoadingCpu:
+    """Return the CPU time one epoch of ``DataLoader(dataset, ...)`` costs each process.
+
+    The loader shuffles, keeps its workers alive between epochs, and is read
+    once before measuring (which starts the workers), so the numbers are the
+    steady state, averaged over ``epochs`` epochs. Worker processes are found
+    as the new descendants of this process. Used in chapter 03.
+    """
+    if epochs < 1:
+        raise ValueError(f"epochs must be at least 1, not {epochs}.")
+    me = psutil.Process()
+    before = {child.pid for child in me.children(recursive=True)}
+    loader = DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=True,
+        num_workers=num_workers,
+        persistent_workers=num_workers > 0,
+    )
+    for _ in loader:  # starts the workers
+        pass
+    workers = [c for c in me.children(recursive=True) if c.pid not in before]
+    processes = [me, *workers]
+    start = [_cpu_seconds(p) for p in processes]
+    for _ in range(epochs):
+        for _ in loader:
+            pass
+    used = [(_cpu_seconds(p) - s) / epochs for p, s in zip(processes, start)]
+    del loader  # stops the workers
+    return LoadingCpu(main=used[0], workers=tuple(used[1:]))
+
+
+def _cpu_seconds(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system

@@ -113,6 +113,7 @@ def train_classifier(
             unit="batch",
             file=sys.stdout,  # looked up now: Jupyter replaces sys.stdout
             leave=True,
+            mininterval=0.5,  # seconds between redraws: fewer states stored in notebooks
             disable=not progress,
         )
         for step, (inputs, labels) in enumerate(bar):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from companion.loaders import JpegImageDataset
+from companion.loaders import JpegImageDataset, measure_loading_cpu
 
 
 def make_dataset(n: int = 12, channels: int = 1) -> JpegImageDataset:
@@ -64,3 +64,16 @@ def test_spawned_workers_can_import_it() -> None:
     batches = list(loader)
     assert [tuple(images.shape) for images, _ in batches] == [(4, 1, 32, 32)] * 3
     assert torch.cat([labels for _, labels in batches]).tolist() == ds.labels.tolist()
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_measure_loading_cpu_finds_the_workers(num_workers: int) -> None:
+    # 256 full-size images: enough work to register on a 10 ms CPU clock
+    images, labels = torch.rand(256, 1, 28, 28), torch.zeros(256, dtype=torch.long)
+    cpu = measure_loading_cpu(JpegImageDataset(images, labels), num_workers=num_workers, epochs=1)
+    assert len(cpu.workers) == num_workers
+    if num_workers:
+        assert all(seconds > 0 for seconds in cpu.workers)
+        assert sum(cpu.workers) > cpu.main  # workers decode; the main process receives
+    else:
+        assert cpu.main > 0
