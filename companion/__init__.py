@@ -4,6 +4,7 @@ Notebooks import their helpers from here; chapter-specific helpers live in
 their own modules (``companion.<module>``). Nothing runs at import time.
 """
 
+from companion.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from companion.data import (
     DataUnavailableError,
     ImageData,
@@ -26,11 +27,12 @@ from companion.devices import (
 from companion.launch import LaunchError, LaunchTimeout, launch, script_path
 from companion.notebook import CourseError, set_seed, setup_notebook
 from companion.plotting import new_axes, plot_history
-from companion.training import accuracy, evaluate_accuracy
+from companion.training import accuracy, evaluate_accuracy, train_classifier
 from companion.timing import Benchmark, Timing, benchmark, format_table, format_time, synchronize
 
 __all__ = [
     "Benchmark",
+    "CheckpointError",
     "CourseError",
     "DataUnavailableError",
     "DeviceError",
@@ -48,6 +50,7 @@ __all__ = [
     "format_time",
     "get_backend",
     "launch",
+    "load_checkpoint",
     "load_digits",
     "load_fashion_mnist",
     "load_image_data",
@@ -56,10 +59,12 @@ __all__ = [
     "new_axes",
     "num_gpus",
     "plot_history",
+    "save_checkpoint",
     "script_path",
     "set_seed",
     "setup_notebook",
     "synchronize",
+    "train_classifier",
     "try_all_gpus",
     "try_gpu",
 ]
