@@ -8,7 +8,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: book test unit notebooks execute doctor clean
+.PHONY: book test test-portable unit notebooks execute doctor clean
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,13 +26,18 @@ book: $(STAMP)
 test: $(STAMP)
 	bash tools/run_tests.sh
 
+# nbval again under another CPU kernel path and thread count (see the script).
+test-portable: $(STAMP)
+	bash tools/run_portable.sh
+
 unit: $(STAMP)
 	$(BIN)/pytest tests
 
 notebooks: $(STAMP)
 	$(BIN)/pytest --nbval notebooks --nbval-sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider
 
-# Re-execute notebooks in place (all, or NB=notebooks/01_tensors.ipynb).
+# Re-execute notebooks in place (all, or NB=notebooks/01_tensors.ipynb). It
+# refuses to store outputs on a busy machine or with a verdict that fails.
 NB ?= notebooks/*.ipynb
 execute: $(STAMP)
 	$(BIN)/python tools/execute_notebooks.py $(NB)

@@ -28,7 +28,24 @@ from companion.launch import LaunchError, LaunchTimeout, launch, script_path
 from companion.notebook import CourseError, set_seed, setup_notebook
 from companion.plotting import new_axes, plot_history
 from companion.training import accuracy, evaluate_accuracy, train_classifier
-from companion.timing import Benchmark, Timing, benchmark, format_table, format_time, synchronize
+from companion.timing import (
+    Benchmark,
+    Timing,
+    benchmark,
+    format_ratio,
+    format_table,
+    format_time,
+    synchronize,
+)
+from companion.verdicts import (
+    Verdict,
+    check,
+    check_close,
+    check_faster,
+    check_not_faster,
+    check_range,
+    compare_speed,
+)
 
 __all__ = [
     "Benchmark",
@@ -40,12 +57,20 @@ __all__ = [
     "LaunchError",
     "LaunchTimeout",
     "Timing",
+    "Verdict",
     "ToyDataset",
     "accuracy",
     "benchmark",
+    "check",
+    "check_close",
+    "check_faster",
+    "check_not_faster",
+    "check_range",
+    "compare_speed",
     "cpu_count",
     "describe_hardware",
     "evaluate_accuracy",
+    "format_ratio",
     "format_table",
     "format_time",
     "get_backend",

@@ -95,8 +95,14 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def describe_hardware() -> str:
-    """Return a one-line description of the hardware measurements run on."""
+def describe_hardware(threads: int | str | None = None) -> str:
+    """Return a one-line description of the hardware measurements run on.
+
+    Args:
+        threads: the intra-op threads the measurement used (default: the
+            current ``torch.get_num_threads()``); a string such as ``"1 and 2"``
+            when a table mixes settings.
+    """
     gpus = num_gpus()
     if gpus:
         names = sorted({torch.cuda.get_device_name(i) for i in range(gpus)})
@@ -105,5 +111,11 @@ def describe_hardware() -> str:
         accel = "no GPU"
     return (
         f"{cpu_name()}, {cpu_count()} cores, {accel}, "
-        f"torch {torch.__version__.split('+')[0]}, {torch.get_num_threads()} threads"
+        f"torch {torch.__version__.split('+')[0]}, {_threads_text(threads)}"
     )
+
+
+def _threads_text(threads: int | str | None) -> str:
+    if threads is None:
+        threads = torch.get_num_threads()
+    return f"{threads} thread" + ("" if threads in (1, "1") else "s")

@@ -26,7 +26,10 @@ from companion.devices import cpu_count, describe_hardware
 from companion.timing import benchmark
 
 __all__ = [
+    "BF16_MATMUL_FLAGS",
     "FP32_FLOPS_PER_CYCLE",
+    "bf16_matmul_support",
+    "cpu_flags",
     "PeakEstimate",
     "MachineLimits",
     "read_cpu_clock",
@@ -42,8 +45,35 @@ __all__ = [
 # AVX-512 CPUs have only one 512-bit FMA unit, and then the true peak is half.
 FP32_FLOPS_PER_CYCLE = {"AVX512": 64, "AVX2": 32}
 
+# CPU flags (as /proc/cpuinfo names them) of instructions that multiply
+# bfloat16 matrices natively: Intel's AMX tiles, and AVX-512 BF16 dot products.
+# Without either, PyTorch converts bfloat16 to float32 and back around the work.
+BF16_MATMUL_FLAGS = ("amx_bf16", "avx512_bf16")
+
 _CPUFREQ_MAX = "/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq"
 _CPUINFO = "/proc/cpuinfo"
+
+
+def cpu_flags(cpuinfo: str | Path = _CPUINFO) -> set[str]:
+    """Return the CPU's feature flags from ``/proc/cpuinfo`` (empty where there is none)."""
+    try:
+        with open(cpuinfo, encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def bf16_matmul_support(cpuinfo: str | Path = _CPUINFO) -> str | None:
+    """Return the first of ``BF16_MATMUL_FLAGS`` this CPU has, or None.
+
+    Used in chapter 01 to say whether bfloat16 matrix products should be
+    faster than float32 ones on this CPU.
+    """
+    flags = cpu_flags(cpuinfo)
+    return next((flag for flag in BF16_MATMUL_FLAGS if flag in flags), None)
 
 
 def read_cpu_clock(

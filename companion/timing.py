@@ -19,7 +19,15 @@ import torch
 
 from companion.devices import describe_hardware
 
-__all__ = ["Timing", "Benchmark", "benchmark", "format_time", "format_table", "synchronize"]
+__all__ = [
+    "Timing",
+    "Benchmark",
+    "benchmark",
+    "format_ratio",
+    "format_time",
+    "format_table",
+    "synchronize",
+]
 
 
 def synchronize() -> None:
@@ -38,6 +46,16 @@ def format_time(seconds: float) -> str:
     return f"{seconds / 1e-9:.3g} ns"
 
 
+def format_ratio(ratio: float, digits: int = 2) -> str:
+    """Format a *measured* ratio with the multiplication sign: ``1.62×``.
+
+    The course writes measured ratios with ``×`` and constants (a target, a
+    bound in a claim) with ``x``, so that the notebook checks can mask the
+    first, which vary between machines, and compare the second.
+    """
+    return f"{ratio:.{digits}f}×" if math.isfinite(ratio) else "n/a"
+
+
 @dataclass(frozen=True)
 class Timing:
     """A measured duration: median and interquartile range over ``runs`` runs."""
@@ -47,6 +65,18 @@ class Timing:
     iqr: float  # seconds, interquartile range of the per-call times
     runs: int  # timed blocks the median is over
     hardware: str
+    threads: int = 0  # intra-op threads while timing (0: not recorded)
+
+    @classmethod
+    def from_samples(cls, label: str, seconds: Sequence[float], *, threads: int | None = None) -> Timing:
+        """Summarise repeated measurements (e.g. one per epoch) as a median and IQR."""
+        if not seconds:
+            raise ValueError(f"No measurements for {label!r}.")
+        times = sorted(seconds)
+        q1, q3 = statistics.quantiles(times, n=4)[::2] if len(times) > 1 else (times[0], times[0])
+        threads = threads or torch.get_num_threads()
+        return cls(label, statistics.median(times), q3 - q1, len(times),
+                   describe_hardware(threads), threads)
 
     def __str__(self) -> str:
         return (
@@ -87,24 +117,18 @@ def benchmark(
     for _ in range(warmup):
         fn(*args, **kwargs)
     synchronize()
+    threads = num_threads or torch.get_num_threads()
     timer = torch_benchmark.Timer(
         stmt="fn(*args, **kwargs)",
         globals={"fn": fn, "args": args, "kwargs": kwargs},
-        num_threads=num_threads or torch.get_num_threads(),
+        num_threads=threads,
         label=label,
     )
     # The Timer synchronises the accelerator before reading the clock.
     once = timer.timeit(1).median
     number = max(1, int(min_run_time / max(repeats, 1) / max(once, 1e-9)))
-    times = sorted(timer.timeit(number).median for _ in range(max(repeats, 1)))
-    q1, q3 = (statistics.quantiles(times, n=4)[::2] if len(times) > 1 else (times[0], times[0]))
-    return Timing(
-        label=label,
-        median=statistics.median(times),
-        iqr=q3 - q1,
-        runs=len(times),
-        hardware=describe_hardware(),
-    )
+    times = [timer.timeit(number).median for _ in range(max(repeats, 1))]
+    return Timing.from_samples(label, times, threads=threads)
 
 
 def format_table(
@@ -113,7 +137,8 @@ def format_table(
     """Lay out rows of equal keys as a plain-text table.
 
     ``Timing`` values are shown as their median time; floats with 3
-    significant digits. A last line says which hardware the numbers came from.
+    significant digits. A last line says which hardware the numbers came
+    from, with the threads the table's timings used.
     """
     if not rows:
         return title
@@ -133,7 +158,9 @@ def format_table(
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in cells]
     if hardware:
-        lines.append(f"Measured on: {describe_hardware()}")
+        threads = sorted({v.threads for row in rows for v in row.values() if isinstance(v, Timing)})
+        threads_text = " and ".join(map(str, threads)) if threads else None
+        lines.append(f"Measured on: {describe_hardware(threads_text)}")
     return "\n".join(lines)
 
 

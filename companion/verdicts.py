@@ -1,0 +1,185 @@
+"""Verdicts: the conclusions a chapter draws from its measurements, computed.
+
+Measured numbers (times, rates, accuracies after training, rounding errors)
+vary between machines and runs; the conclusions the text draws from them must
+not. A ``Verdict`` is one such conclusion: a claim with its tolerance, whether
+it holds, and the measurement behind it. Printed, it reads
+
+    ✓ 2 loader workers are faster than 0: yes  [measured 1.62×, noise ±8%]
+    ✗ compiled is faster than eager (at least 2x): NO  [measured 1.10×, noise ±5%]
+
+The course's notebook checks (nbval) compare the claim and the answer, and the
+sanitiser masks the bracketed measurement (pattern ``verdict-evidence`` in
+``tests/nbval_sanitize.cfg``), so the same stored output passes on every CPU
+while a conclusion that flips fails. ``tools/execute_notebooks.py`` refuses to
+store a notebook with a verdict that does not hold.
+
+Timing comparisons account for noise: each ``Timing`` carries the
+interquartile range of its repeats, and a difference smaller than the combined
+relative spread (never less than ``NOISE_FLOOR``) is "no measurable
+difference", not a speed-up or a slow-down. Used in every chapter.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from companion.timing import Timing, format_ratio
+
+__all__ = [
+    "NOISE_FLOOR",
+    "Verdict",
+    "SpeedComparison",
+    "check",
+    "check_close",
+    "check_range",
+    "compare_speed",
+    "check_faster",
+    "check_not_faster",
+]
+
+# Relative noise assumed even when a run's repeats agree closely: the spread
+# between two runs of the same benchmark is larger than within one run.
+NOISE_FLOOR = 0.05
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A claim, whether it holds, and the measurement it was decided on."""
+
+    claim: str  # states its own tolerance, e.g. "matches DDP within 1e-05"
+    holds: bool
+    evidence: str = ""  # measured values; they vary between machines
+
+    def __bool__(self) -> bool:
+        return self.holds
+
+    def __str__(self) -> str:
+        mark, answer = ("✓", "yes") if self.holds else ("✗", "NO")
+        line = f"{mark} {self.claim}: {answer}"
+        return f"{line}  [measured {self.evidence}]" if self.evidence else line
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def check(claim: str, holds: bool, evidence: str = "") -> Verdict:
+    """Return the verdict on ``claim``, decided by the caller (``holds``)."""
+    return Verdict(claim, bool(holds), evidence)
+
+
+def _flatten(values: object) -> torch.Tensor:
+    """One float64 vector from a number, a tensor, or a sequence of them."""
+    if isinstance(values, torch.Tensor):
+        return values.detach().to("cpu", torch.float64).flatten()
+    if isinstance(values, (int, float)):
+        return torch.tensor([float(values)], dtype=torch.float64)
+    if isinstance(values, Iterable):
+        parts = [_flatten(v) for v in values]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+    raise TypeError(f"Cannot compare a {type(values).__name__}; give numbers or tensors.")
+
+
+def check_close(
+    claim: str, actual: object, expected: object, *, atol: float = 0.0, rtol: float = 0.0
+) -> Verdict:
+    """Do ``actual`` and ``expected`` agree elementwise within ``atol + rtol * |expected|``?
+
+    Both may be numbers, tensors, or sequences of them (compared in order, as
+    one long vector). The tolerance is appended to the claim.
+    """
+    if atol < 0 or rtol < 0 or (atol == 0 and rtol == 0):
+        raise ValueError("Give a positive atol or rtol: an exact comparison is check(a == b).")
+    a, e = _flatten(actual), _flatten(expected)
+    if a.shape != e.shape:
+        return check(f"{claim}", False, f"{a.numel()} values vs {e.numel()} expected")
+    diff = (a - e).abs()
+    allowed = atol + rtol * e.abs()
+    holds = bool((diff <= allowed).all()) and bool(torch.isfinite(a).all())
+    worst = diff.max().item() if diff.numel() else 0.0
+    tolerance = " + ".join(
+        text for text, on in ((f"{atol:.0e}", atol), (f"{rtol:.0e} x |expected|", rtol)) if on
+    )
+    return check(f"{claim} (within {tolerance})", holds, f"max |difference| {worst:.1e}")
+
+
+def check_range(
+    claim: str,
+    value: float,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    fmt: str = ".3g",
+) -> Verdict:
+    """Is ``low <= value <= high``? The bounds are appended to the claim."""
+    if low is None and high is None:
+        raise ValueError("Give low, high or both.")
+    if low is not None and high is not None and low > high:
+        raise ValueError(f"low ({low}) is above high ({high}).")
+    if low is not None and high is not None:
+        bounds = f"between {low:{fmt}} and {high:{fmt}}"
+    elif low is not None:
+        bounds = f"at least {low:{fmt}}"
+    else:
+        bounds = f"at most {high:{fmt}}"
+    holds = math.isfinite(value) and (low is None or value >= low) and (high is None or value <= high)
+    return check(f"{claim} ({bounds})", holds, f"{value:{fmt}}")
+
+
+@dataclass(frozen=True)
+class SpeedComparison:
+    """How much faster ``fast`` ran than ``slow``, and whether that is above noise."""
+
+    ratio: float  # slow.median / fast.median: above 1, "fast" was faster
+    noise: float  # relative spread both timings allow, at least NOISE_FLOOR
+    outcome: Literal["faster", "slower", "no measurable difference"]
+
+    @property
+    def evidence(self) -> str:
+        return f"{format_ratio(self.ratio)}, noise ±{self.noise:.0%}"
+
+
+def compare_speed(fast: Timing, slow: Timing) -> SpeedComparison:
+    """Compare two timings, with their relative interquartile ranges as the noise band.
+
+    The outcome is "faster" when ``fast`` ran faster than ``slow`` by more than
+    the noise, "slower" when it ran slower by more than the noise, else "no
+    measurable difference".
+    """
+    if fast.median <= 0 or slow.median <= 0:
+        raise ValueError("Timings must be positive.")
+    ratio = slow.median / fast.median
+    noise = max(NOISE_FLOOR, fast.iqr / fast.median + slow.iqr / slow.median)
+    if ratio > 1 + noise:
+        outcome = "faster"
+    elif ratio < 1 / (1 + noise):
+        outcome = "slower"
+    else:
+        outcome = "no measurable difference"
+    return SpeedComparison(ratio, noise, outcome)
+
+
+def check_faster(claim: str, fast: Timing, slow: Timing, *, at_least: float = 1.0) -> Verdict:
+    """Did ``fast`` run faster than ``slow``, by at least ``at_least`` even at the edge of the noise?
+
+    With ``at_least=1`` any speed-up above noise counts; with ``at_least=2``
+    the ratio divided by (1 + noise) must still be 2 or more.
+    """
+    if at_least < 1:
+        raise ValueError(f"at_least is a speed-up, 1 or more, not {at_least}.")
+    c = compare_speed(fast, slow)
+    holds = c.outcome == "faster" and c.ratio / (1 + c.noise) >= at_least
+    if at_least > 1:
+        claim = f"{claim} (at least {at_least:g}x)"
+    return check(claim, holds, c.evidence)
+
+
+def check_not_faster(claim: str, candidate: Timing, reference: Timing) -> Verdict:
+    """Is ``candidate`` not measurably faster than ``reference`` (equal within noise, or slower)?"""
+    c = compare_speed(candidate, reference)
+    return check(claim, c.outcome != "faster", c.evidence)

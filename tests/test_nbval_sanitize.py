@@ -1,0 +1,72 @@
+"""The nbval sanitiser masks exactly the measured values it is meant to mask.
+
+Each pattern of tests/nbval_sanitize.cfg gets one string it must mask and one
+it must leave alone, so that a pattern that grows to hide a conclusion (a
+verdict's answer, a constant in a claim, a computed integer) fails here.
+"""
+
+import re
+from pathlib import Path
+
+import pytest
+from nbval.plugin import get_sanitize_patterns
+
+CONFIG = Path(__file__).with_name("nbval_sanitize.cfg")
+SECTION = re.compile(r"^\[([\w-]+)\]\n(?:#.*\n)*regex: (.*)\nreplace: (.*)$", re.MULTILINE)
+PATTERNS = {name: (regex, replace) for name, regex, replace in SECTION.findall(CONFIG.read_text())}
+
+# section: (masked, expected after masking, left alone)
+EXAMPLES = {
+    "durations": ("one epoch on cpu: 805 ms", "one epoch on cpu: <time>", "epoch 8/8: 23 batches"),
+    "ratios": ("speed-up 1.62×", "speed-up <ratio>", "at least 2x faster (target 5x)"),
+    "rates": ("4,067 images/s", "<rate>", "global batch 128 = 2 x 64"),
+    "hardware": ("Measured on: AMD EPYC, 2 cores", "Measured on: <hardware>", "measured once"),
+    "verdict-evidence": (
+        "✓ matches: yes  [measured 1.62×, noise ±8%]",
+        "✓ matches: yes  [measured …]",
+        "✓ matches DDP (within 1e-05): yes",
+    ),
+    "approximate": ("test accuracy ~0.953", "test accuracy ~<approx>", "test accuracy 0.953"),
+    "tqdm-intermediate-states": ("epoch 1:  30%|###\repoch 1: 100%", "<progress>epoch 1: 100%",
+                                 "epoch 1: 100%\r\n"),
+    "tqdm-elapsed": ("23/23 [00:01<00:00, 17.21batch/s, loss ~1.7]", "23/23 [<elapsed>, loss ~1.7]",
+                     "[rank 0] step 50/200"),
+    "trailing-spaces": ("done   \nnext", "done\nnext", "a  b\n"),
+    "paths": ("/tmp/x/companion/scripts/a.py", "<path>/companion/scripts/a.py", "companion/scripts/a.py"),
+    "addresses": ("<function <lambda> at 0x7f65c36c3e20>", "<function <lambda> at <address>>", "0x10"),
+    "peak-memory": ("peak resident set 931 MiB", "peak resident set <memory>", "2.30 MiB saved for backward"),
+    "ch04-temp-folder": ("/tmp/course-ch04-9q6edn_o/checkpoint.pt", "<workdir>/checkpoint.pt",
+                         "ch09_runs/broken/step-000100.pt"),
+    "table-padding": ("<time>     next", "<time>~next", "8       7.58"),
+}
+
+
+def apply(name: str, text: str) -> str:
+    regex, replace = PATTERNS[name]
+    return re.sub(regex, replace, text)
+
+
+def test_every_pattern_has_examples_and_nbval_reads_them_all():
+    assert set(PATTERNS) == set(EXAMPLES)
+    # nbval's own parser must see the same patterns (a comment between the
+    # regex and replace lines would silently drop one).
+    assert sorted(get_sanitize_patterns(CONFIG.read_text())) == sorted(PATTERNS.values())
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_pattern_masks_its_example(name):
+    masked, expected, _ = EXAMPLES[name]
+    assert apply(name, masked) == expected
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_pattern_leaves_other_text_alone(name):
+    _, _, untouched = EXAMPLES[name]
+    assert apply(name, untouched) == untouched
+
+
+def test_a_verdict_answer_survives_every_pattern():
+    line = "✗ compiled is faster than eager (at least 2x): NO  [measured 1.10×, noise ±5%]"
+    for name in PATTERNS:  # in file order, as nbval applies them
+        line = apply(name, line)
+    assert line == "✗ compiled is faster than eager (at least 2x): NO  [measured …]"

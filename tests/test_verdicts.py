@@ -1,0 +1,135 @@
+"""Verdicts: claims with tolerances, decided from measurements, noise-aware."""
+
+import math
+
+import pytest
+import torch
+
+from companion.timing import Timing
+from companion.verdicts import (
+    NOISE_FLOOR,
+    check,
+    check_close,
+    check_faster,
+    check_not_faster,
+    check_range,
+    compare_speed,
+)
+
+
+def timing(median: float, iqr: float = 0.0) -> Timing:
+    return Timing("t", median, iqr, 7, "hw", 1)
+
+
+def test_printed_form_separates_claim_from_measurement():
+    assert str(check("x is even", True, "x = 4")) == "✓ x is even: yes  [measured x = 4]"
+    assert str(check("x is even", False, "x = 3")) == "✗ x is even: NO  [measured x = 3]"
+    assert str(check("no evidence", True)) == "✓ no evidence: yes"
+    assert bool(check("c", True)) and not bool(check("c", False))
+
+
+def test_check_close_states_tolerance_and_worst_difference():
+    v = check_close("equal", torch.tensor([1.0, 2.0]), [1.0, 2.0 + 3e-6], atol=1e-5)
+    assert v.holds
+    assert v.claim == "equal (within 1e-05)"
+    assert v.evidence == "max |difference| 3.0e-06"
+    assert not check_close("equal", 1.0, 1.0 + 2e-5, atol=1e-5).holds
+
+
+def test_check_close_relative_tolerance_scales_with_expected():
+    assert check_close("rel", 1000.5, 1000.0, rtol=1e-3).holds
+    assert not check_close("rel", 1.5, 1.0, rtol=1e-3).holds
+    assert "1e-03 x |expected|" in check_close("rel", 1.0, 1.0, rtol=1e-3).claim
+
+
+def test_check_close_sequences_of_tensors_and_mismatches():
+    a = [torch.ones(2, 2), torch.zeros(3)]
+    b = [torch.ones(2, 2), torch.zeros(3)]
+    b[1][2] = 0.5
+    verdict = check_close("params", a, b, atol=0.1)
+    assert not verdict.holds and verdict.evidence == "max |difference| 5.0e-01"
+    assert not check_close("shape", torch.ones(3), torch.ones(4), atol=1).holds
+    assert not check_close("nan", float("nan"), 0.0, atol=1).holds
+
+
+def test_check_close_refuses_zero_tolerance():
+    with pytest.raises(ValueError, match="positive atol or rtol"):
+        check_close("x", 1.0, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("value", "low", "high", "holds", "claim"),
+    [
+        (0.9, 0.85, None, True, "acc (at least 0.85)"),
+        (0.8, 0.85, None, False, "acc (at least 0.85)"),
+        (0.5, None, 0.6, True, "acc (at most 0.6)"),
+        (1.3, 0.75, 1.25, False, "acc (between 0.75 and 1.25)"),
+        (1.25, 0.75, 1.25, True, "acc (between 0.75 and 1.25)"),
+        (math.nan, 0.0, None, False, "acc (at least 0)"),
+    ],
+)
+def test_check_range(value, low, high, holds, claim):
+    verdict = check_range("acc", value, low=low, high=high)
+    assert verdict.holds is holds
+    assert verdict.claim == claim
+
+
+def test_check_range_needs_a_bound():
+    with pytest.raises(ValueError):
+        check_range("x", 1.0)
+    with pytest.raises(ValueError):
+        check_range("x", 1.0, low=2, high=1)
+
+
+def test_compare_speed_uses_the_noise_floor_when_repeats_agree():
+    c = compare_speed(timing(1.0), timing(1.04))  # 4 % is within the 5 % floor
+    assert c.noise == NOISE_FLOOR
+    assert c.outcome == "no measurable difference"
+    assert compare_speed(timing(1.0), timing(1.06)).outcome == "faster"
+    assert compare_speed(timing(1.06), timing(1.0)).outcome == "slower"
+
+
+def test_compare_speed_widens_the_band_with_the_spread():
+    # 20 % relative IQR on each side: a 1.3x ratio is not above 1 + 0.4.
+    c = compare_speed(timing(1.0, 0.2), timing(1.3, 0.26))
+    assert c.noise == pytest.approx(0.4)
+    assert c.outcome == "no measurable difference"
+    assert c.evidence == "1.30×, noise ±40%"
+
+
+def test_check_faster_requires_the_speed_up_beyond_the_noise():
+    assert check_faster("f", timing(1.0), timing(2.2), at_least=2).holds  # 2.2 / 1.05 >= 2
+    assert not check_faster("f", timing(1.0), timing(2.05), at_least=2).holds  # 2.05 / 1.05 < 2
+    assert not check_faster("f", timing(1.0), timing(1.03)).holds
+    assert check_faster("f", timing(1.0), timing(2.0), at_least=1.5).claim == "f (at least 1.5x)"
+    with pytest.raises(ValueError):
+        check_faster("f", timing(1.0), timing(2.0), at_least=0.5)
+
+
+def test_check_not_faster_accepts_equal_and_slower():
+    assert check_not_faster("n", timing(1.0), timing(1.03)).holds  # within noise
+    assert check_not_faster("n", timing(2.0), timing(1.0)).holds  # slower
+    assert not check_not_faster("n", timing(1.0), timing(1.5)).holds  # clearly faster
+
+
+def test_timing_from_samples_median_and_iqr():
+    t = Timing.from_samples("epochs", [0.3, 0.1, 0.2, 0.4, 0.5], threads=3)
+    assert t.median == 0.3
+    assert t.iqr == pytest.approx(0.45 - 0.15)
+    assert t.runs == 5 and t.threads == 3
+    assert t.hardware.endswith(", 3 threads")
+    with pytest.raises(ValueError):
+        Timing.from_samples("none", [])
+
+
+def test_bf16_matmul_support_reads_cpu_flags(tmp_path):
+    from companion.hardware import bf16_matmul_support, cpu_flags
+
+    xeon = tmp_path / "xeon"
+    xeon.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n")
+    epyc = tmp_path / "epyc"
+    epyc.write_text("processor\t: 0\nflags\t\t: fpu avx2 fma\n")
+    assert bf16_matmul_support(xeon) == "amx_bf16"
+    assert bf16_matmul_support(epyc) is None
+    assert cpu_flags(tmp_path / "missing") == set()
+    assert "fma" in cpu_flags(epyc)
