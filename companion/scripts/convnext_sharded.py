@@ -5,7 +5,9 @@ Launch lines:
     torchrun --standalone --nproc-per-node=4 convnext_sharded.py --conv-mode replicate
     torchrun --standalone --nproc-per-node=4 convnext_sharded.py --conv-mode naive   # shows the pitfall
     torchrun --standalone --nproc-per-node=4 convnext_sharded.py --full       # the large model; GPUs advised
-    srun --ntasks=4 python convnext_sharded.py                                # under SLURM
+    torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
+        --rdzv-id=convnext convnext_sharded.py                                # on each of 2 nodes
+    srun --ntasks=4 --gpus-per-task=1 python convnext_sharded.py              # under SLURM
 
 Every parameter is replicated on every process (``distribute_module``); the
 input images are split along their width (``Shard(3)``) or, for comparison,
@@ -27,48 +29,212 @@ For each mode the script checks the loss and every gradient of the first step
 against the unsharded model on the same input and prints the largest
 differences; it counts the activations each process saves for backward,
 times forward and backward passes, and reports each process's peak memory
-(CUDA memory on GPUs, the process's peak resident set on a CPU).
+(CUDA memory on GPUs, the process's peak resident set on a CPU). All
+processes decide together: nccl with one GPU each when every process has a
+GPU of its own, gloo on the CPUs otherwise.
+
+Writes: log lines on rank 0; with ``--results FILE``, a JSON summary of every
+mode (differences from the unsharded model, saved activations, timings).
+
+Exit codes: 0 done, and the halo and replicate modes (if run) match the
+unsharded model; 3 one of them does not (the naive mode is expected not to);
+2 bad input (e.g. a process count that does not divide the sharded dim, or
+more processes than the halo exchange allows), said in one sentence by rank 0;
+1 anything unexpected. Needs PyTorch 2.5 or newer.
 """
 
 import argparse
+import collections
 import copy
+import datetime
 import json
 import os
+import re
 import resource
+import socket
 import sys
 import time
+from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor import init_device_mesh
+
+SCRIPT = Path(__file__).name
+MIN_TORCH = (2, 5)  # the public torch.distributed.tensor
+
+
+class UsageError(Exception):
+    """Bad input: the message is one sentence saying what is wrong and what to do."""
+
+
+class RendezvousError(UsageError):
+    """The processes could not meet: only the process that saw it can say so."""
+
+
+def env_rank(local: bool = False) -> int:
+    """This process's (local) rank as its launcher set it; 0 without a launcher."""
+    names = ("LOCAL_RANK", "SLURM_LOCALID") if local else ("RANK", "SLURM_PROCID")
+    return int(os.environ.get(names[0], os.environ.get(names[1], "0")))
+
+
+def fail(message: str, code: int = 2, printer: bool | None = None) -> None:
+    """Print ``SCRIPT: error: message`` (on rank 0 unless told otherwise) and exit with ``code``."""
+    if env_rank() == 0 if printer is None else printer:
+        print(f"{SCRIPT}: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+if tuple(int(n) for n in re.findall(r"\d+", torch.__version__)[:2]) < MIN_TORCH:
+    fail(f"this script needs PyTorch {'.'.join(map(str, MIN_TORCH))} or newer, not {torch.__version__}; "
+         "upgrade it with pip install --upgrade torch.")
+
+import torch.distributed as dist  # noqa: E402 (after the version check, which names what is missing)
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module  # noqa: E402
+from torch.distributed.tensor import distribute_tensor, init_device_mesh  # noqa: E402
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        """Print one line on rank 0, not the usage block (``--help`` shows that), and exit with code 2."""
+        fail(message)
+
+
+# ---------------------------------------------------------------- processes
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def first_host(nodelist: str) -> str:
+    """Return the first host of a SLURM node list: ``gpu[07-08,10],cpu1`` -> ``gpu07``; "" if there is none."""
+    first = re.split(r",(?![^\[]*\])", nodelist.strip())[0]
+    return re.sub(r"\[([^\],-]+)[^\]]*\]", r"\1", first)
+
+
+def read_topology() -> tuple[int, int, int]:
+    """Return ``rank, local_rank, world_size``, and make sure MASTER_ADDR and MASTER_PORT are set.
+
+    From torchrun (RANK, LOCAL_RANK, WORLD_SIZE), else from srun (SLURM_PROCID,
+    SLURM_LOCALID, SLURM_NTASKS; rank 0 runs on the first node of the step,
+    which hosts the rendezvous, on a port derived from the job id), else one process.
+    """
+    env = os.environ
+    if "RANK" in env:
+        return int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"])
+    if "SLURM_PROCID" in env:
+        if "MASTER_ADDR" not in env:
+            nodes = int(env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", "1")))
+            host = "127.0.0.1" if nodes == 1 else first_host(env.get("SLURM_STEP_NODELIST",
+                                                                     env.get("SLURM_JOB_NODELIST", "")))
+            if not host:
+                raise UsageError("under SLURM on several nodes the processes meet on the first node, but neither "
+                                 "MASTER_ADDR nor a node list (SLURM_JOB_NODELIST) names it; set MASTER_ADDR.")
+            env["MASTER_ADDR"] = host
+        env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+        return int(env["SLURM_PROCID"]), int(env["SLURM_LOCALID"]), int(env["SLURM_NTASKS"])
+    env.setdefault("MASTER_ADDR", "127.0.0.1")
+    env.setdefault("MASTER_PORT", str(free_port()))  # alone: any free port will do
+    return 0, 0, 1
+
+
+def describe_process(local_rank: int) -> dict:
+    """This process's host and the GPU it would use: ``cuda:(local_rank % GPUs it sees)``.
+
+    Under ``srun --gpus-per-task=1`` each process sees one GPU, its own, as
+    ``cuda:0``; under torchrun every process of a node sees all of its GPUs.
+    """
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpu = None
+    if count:
+        index = local_rank % count
+        gpu = {"index": index, "uuid": str(getattr(torch.cuda.get_device_properties(index), "uuid", index))}
+    return {"host": socket.gethostname(), "gpu": gpu}
+
+
+def gpu_problem(everyone: list[dict]) -> str:
+    """Why the processes in ``everyone`` cannot each have a GPU of their own ("" if they can)."""
+    without = [i for i, p in enumerate(everyone) if p["gpu"] is None]
+    shared = collections.Counter((p["host"], p["gpu"]["uuid"]) for p in everyone if p["gpu"])
+    if len(without) == len(everyone):
+        return "no process sees a GPU"
+    if without:
+        return f"{len(without)} of the {len(everyone)} processes see no GPU (rank {without[0]})"
+    if max(shared.values()) > 1:
+        host = next(h for (h, _), n in shared.items() if n > 1)
+        users = sum(n for (h, _), n in shared.items() if h == host)
+        return f"{host} has {sum(h == host for h, _ in shared)} GPU(s) for {users} processes"
+    return "" if dist.is_nccl_available() else "this PyTorch was built without nccl"
+
+
+def meet(rank: int, world_size: int, timeout: float) -> tuple[dist.Store, list[dict]]:
+    """Reach the rendezvous at MASTER_ADDR:MASTER_PORT; return its store and every process's report."""
+    where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    try:
+        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size,
+                                           timeout=datetime.timedelta(seconds=timeout)))  # fmt: skip
+    except dist.DistError as err:
+        if "EADDRINUSE" in str(err) or "already in use" in str(err):
+            raise RendezvousError(f"port {where} is already in use; set MASTER_PORT to a free port.") from None
+        if "waiting for clients" in str(err):
+            joined = re.search(r"(\d+)/(\d+) clients", str(err))
+            count = f"only {joined[1]} of {joined[2]} processes" if joined else "not every process"
+            raise RendezvousError(f"{count} reached the rendezvous at {where} within {timeout:g} s; start all "
+                                  "of them, and check that every node can reach that address.") from None
+        raise RendezvousError(f"cannot reach the rendezvous at {where} within {timeout:g} s; check MASTER_ADDR "
+                              "and MASTER_PORT, and that rank 0 is running.") from None
+    # Every process reports its host and GPU; all read all reports, so all decide alike.
+    key = f"{SCRIPT}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    store.set(f"{key}{rank}", json.dumps(describe_process(env_rank(local=True))))
+    everyone = [json.loads(store.get(f"{key}{r}")) for r in range(world_size)]
+    store.add(f"{key}read", 1)
+    deadline = time.monotonic() + timeout
+    while rank == 0 and store.add(f"{key}read", 0) < world_size and time.monotonic() < deadline:
+        time.sleep(0.01)  # rank 0 may host the store: it stays until everyone has read
+    return store, everyone
+
+
+def setup_distributed(timeout: float = 600.0) -> tuple[int, int, int, torch.device]:
+    """Join the process group and return ``rank, local_rank, world_size, device``.
+
+    Every process reports its GPU at the rendezvous and all take the same
+    decision: nccl and a GPU each when every process has a GPU of its own,
+    else gloo on the CPU for all (a mix of the two would hang).
+    """
+    rank, local_rank, world_size = read_topology()
+    store, everyone = meet(rank, world_size, timeout)
+    problem = gpu_problem(everyone)
+    if problem:
+        device, backend = torch.device("cpu"), "gloo"
+        if any(p["gpu"] for p in everyone) and rank == 0:
+            print(f"{SCRIPT}: note: {problem}, so every process runs on the CPU with gloo.", flush=True)
+    else:
+        device, backend = torch.device("cuda", local_rank % torch.cuda.device_count()), "nccl"
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout),
+                            device_id=device if device.type == "cuda" else None)  # fmt: skip
+    return rank, local_rank, world_size, device
+
+
+def run_main(main) -> None:
+    """Call ``main()``; a UsageError ends every process with exit code 2 and one sentence."""
+    try:
+        main()
+    except UsageError as err:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        # Errors the processes agree on are said by rank 0; one that stopped them
+        # from meeting, by the first process of each node that saw it.
+        fail(str(err), printer=env_rank(local=isinstance(err, RendezvousError)) == 0)
+
 
 SMALL = {"depths": [1, 1, 1], "dims": [16, 32, 64], "input": [2, 3, 32, 256], "classes": 10}
 FULL = {"depths": [3, 3, 27, 3], "dims": [256, 512, 1024, 2048], "input": [7, 3, 512, 1024], "classes": 1000}
-
-
-def setup_distributed() -> tuple[int, int, int, torch.device]:
-    """Return ``rank, local_rank, world_size, device`` from torchrun, SLURM or defaults."""
-    env = os.environ
-    if "RANK" in env:
-        rank, local_rank, world_size = int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"])
-    elif "SLURM_PROCID" in env:
-        rank, local_rank, world_size = (int(env[k]) for k in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS"))
-        env.setdefault("MASTER_ADDR", "127.0.0.1")
-        env.setdefault("MASTER_PORT", "29500")
-    else:
-        rank, local_rank, world_size = 0, 0, 1
-        env.setdefault("MASTER_ADDR", "127.0.0.1")
-        env.setdefault("MASTER_PORT", "29500")
-    if torch.cuda.is_available() and local_rank < torch.cuda.device_count():
-        device, backend = torch.device("cuda", local_rank), "nccl"
-        torch.cuda.set_device(device)
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world_size)
-    return rank, local_rank, world_size, device
 
 
 def print0(*args: object) -> None:
@@ -137,12 +303,12 @@ class PaddedConv2d(nn.Conv2d):
 
     def _halo_forward(self, x: DTensor) -> DTensor:
         if x.placements != (Shard(3),) or self.stride != (1, 1):
-            raise ValueError("The halo exchange here handles 1-D meshes, Shard(3) and stride 1 only.")
+            raise UsageError("the halo exchange here handles 1-D meshes, Shard(3) and stride 1 only.")
         halo = self.padding[1]
         local = x.to_local()
         if local.shape[-1] < halo:
-            raise ValueError(
-                f"Each process holds {local.shape[-1]} columns here, fewer than the halo of {halo}: "
+            raise UsageError(
+                f"each process holds {local.shape[-1]} columns here, fewer than the halo of {halo}; "
                 "use a wider input, fewer processes or --conv-mode replicate."
             )
         padded = HaloExchange.apply(local, halo, x.device_mesh.get_group())
@@ -339,7 +505,7 @@ def run_mode(mode: str, reference, ref, x, y, x_full, args, mesh, device) -> dic
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog=SCRIPT, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--full", action="store_true", help="the seed's large ConvNeXt (default: small)")
     parser.add_argument("--shard-dim", type=int, default=3, choices=[0, 3], help="3: width, 0: batch (default: 3)")
     parser.add_argument("--conv-mode", nargs="+", default=["halo"], choices=["halo", "replicate", "naive"],
@@ -348,16 +514,26 @@ def main() -> None:
     parser.add_argument("--tolerance", type=float, default=1e-5,
                         help="largest loss difference, and gradient difference relative to the largest gradient, "
                              "that still counts as a match (default: 1e-5, float32)")  # fmt: skip
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds the processes wait for each other (default: 600, PyTorch's own)")
     parser.add_argument("--results", default="", help="JSON file rank 0 writes (default: none)")
     args = parser.parse_args()
     config = FULL if args.full else SMALL
-    world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+    world_size = read_topology()[2]
     shard_size = config["input"][args.shard_dim]
-    if args.iters < 1 or shard_size % world_size:
-        print(f"Use --iters >= 1 and a process count dividing {shard_size} (the sharded dim).", file=sys.stderr)
-        sys.exit(2)
+    if args.iters < 1 or args.timeout <= 0:
+        parser.error("--iters must be at least 1 and --timeout positive.")
+    if shard_size % world_size:
+        parser.error(f"{world_size} processes do not divide the sharded dim ({shard_size}); use a divisor of it.")
+    # The last stage's 7x7 convolutions need 3 columns from each neighbour (the halo).
+    last_width = config["input"][3] // 4 // 2 ** (len(config["dims"]) - 1)
+    if args.shard_dim == 3 and "halo" in args.conv_mode and last_width // world_size < 3:
+        most = max(n for n in range(1, last_width // 3 + 1) if shard_size % n == 0)
+        parser.error(f"with {world_size} processes each holds {last_width // world_size} column(s) of the last "
+                     f"stage, fewer than the halo of 3; use at most {most} processes, or "
+                     "--conv-mode replicate.")
 
-    rank, _, world_size, device = setup_distributed()
+    rank, _, world_size, device = setup_distributed(args.timeout)
     mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("sp",))
     torch.manual_seed(12)  # the same weights and data on every rank
     reference = ConvNeXt(config["depths"], config["dims"], config["classes"]).to(device)
@@ -380,7 +556,11 @@ def main() -> None:
                        "device": device.type, "reference_loss": ref["loss"], "reference_saved_bytes": ref_saved,
                        "tolerance": args.tolerance, "modes": modes}, f)  # fmt: skip
     dist.destroy_process_group()
+    wrong = [m["conv_mode"] for m in modes if m["conv_mode"] != "naive" and not m["ok"]]
+    if wrong:
+        fail(f"the {' and '.join(wrong)} mode(s) do not match the unsharded model within --tolerance "
+             f"{args.tolerance:g}.", code=3)
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -3,29 +3,42 @@
 Launch lines, from the repository's root folder:
     python companion/scripts/ddp_resnet.py --data images.pt                 # one process
     torchrun --standalone --nproc-per-node=2 companion/scripts/ddp_resnet.py --data images.pt
-    srun --ntasks=4 python companion/scripts/ddp_resnet.py --data images.pt # under SLURM
+    torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
+        --rdzv-id=run1 companion/scripts/ddp_resnet.py --data images.pt     # on each of 2 nodes
+    srun --ntasks=4 --gpus-per-task=1 python companion/scripts/ddp_resnet.py --data images.pt
 
 ``--data`` names a file written with ``torch.save`` holding a dict of four
 tensors, ``train_images`` and ``test_images`` (float, ``(N, C, H, W)``) and
-``train_labels`` and ``test_labels`` (int64, ``(N,)``), and optionally a
-``name``; it is loaded with ``weights_only=True``. Without ``--data`` the
-script says so and trains on synthetic images, which only shows that it runs.
+``train_labels`` and ``test_labels`` (int64, ``(N,)``, classes 0 to K-1), and
+optionally a ``name``; it is loaded with ``weights_only=True``, so it may hold
+tensors, numbers and strings only. Without ``--data`` the script says so and
+trains on synthetic images, which only shows that it runs.
 
 Every process trains a replica of the model on its shard of each global batch
-(``DistributedSampler``); DDP averages the gradients, so all replicas take the
-same step. After training, rank 0 reports the test accuracy, and every process
-times three things in turn for ``--timing-steps`` rounds: a forward and
-backward pass with no gradient sync (computation), an all-reduce of a buffer as
-large as the gradients (communication), and a full DDP training step. The
-backend is nccl when every process has a GPU, gloo otherwise. Rank 0 logs and,
-with ``--results FILE``, writes a JSON summary. Bad input ends with one
-sentence on stderr and exit code 2. Only torch and the standard library are
-imported: copy the file anywhere.
+(``DistributedSampler``, incomplete last batches dropped); DDP averages the
+gradients, so all replicas take the same step. After training, rank 0 reports
+the test accuracy, and every process times three things in turn for
+``--timing-steps`` rounds: a forward and backward pass with no gradient sync
+(computation), an all-reduce of a buffer as large as the gradients
+(communication), and a full DDP training step. All processes decide together:
+nccl with one GPU each when every process has a GPU of its own, gloo on the
+CPUs otherwise.
+
+Writes: log lines on rank 0; with ``--results FILE``, a JSON summary (loss
+curve, test accuracies, throughput, the timings) written by rank 0.
+
+Exit codes: 0 done; 2 bad input (arguments, data file, batch sizes), said in
+one sentence on stderr by rank 0; 1 anything unexpected (a traceback).
+Only torch and the standard library are imported: copy the file anywhere.
 """
 
 import argparse
+import collections
+import datetime
 import json
 import os
+import pickle
+import re
 import socket
 import statistics
 import sys
@@ -33,22 +46,187 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, TensorDataset
-from torch.utils.data.distributed import DistributedSampler
 
-DATA_KEYS = ("train_images", "train_labels", "test_images", "test_labels")
+SCRIPT = Path(__file__).name
+MIN_TORCH = (2, 4)  # init_process_group(device_id=...)
 
 
 class UsageError(Exception):
     """Bad input: the message is one sentence saying what is wrong and what to do."""
 
 
+class RendezvousError(UsageError):
+    """The processes could not meet: only the process that saw it can say so."""
+
+
+def env_rank(local: bool = False) -> int:
+    """This process's (local) rank as its launcher set it; 0 without a launcher."""
+    names = ("LOCAL_RANK", "SLURM_LOCALID") if local else ("RANK", "SLURM_PROCID")
+    return int(os.environ.get(names[0], os.environ.get(names[1], "0")))
+
+
+def fail(message: str, code: int = 2, printer: bool | None = None) -> None:
+    """Print ``SCRIPT: error: message`` (on rank 0 unless told otherwise) and exit with ``code``."""
+    if env_rank() == 0 if printer is None else printer:
+        print(f"{SCRIPT}: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+if tuple(int(n) for n in re.findall(r"\d+", torch.__version__)[:2]) < MIN_TORCH:
+    fail(f"this script needs PyTorch {'.'.join(map(str, MIN_TORCH))} or newer, not {torch.__version__}; "
+         "upgrade it with pip install --upgrade torch.")
+
+import torch.distributed as dist  # noqa: E402 (after the version check, which names what is missing)
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+from torch.utils.data.distributed import DistributedSampler  # noqa: E402
+
+DATA_KEYS = ("train_images", "train_labels", "test_images", "test_labels")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        """Print one line on rank 0, not the usage block (``--help`` shows that), and exit with code 2."""
+        fail(message)
+
+
+# ---------------------------------------------------------------- processes
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def first_host(nodelist: str) -> str:
+    """Return the first host of a SLURM node list: ``gpu[07-08,10],cpu1`` -> ``gpu07``; "" if there is none."""
+    first = re.split(r",(?![^\[]*\])", nodelist.strip())[0]
+    return re.sub(r"\[([^\],-]+)[^\]]*\]", r"\1", first)
+
+
+def read_topology() -> tuple[int, int, int]:
+    """Return ``rank, local_rank, world_size``, and make sure MASTER_ADDR and MASTER_PORT are set.
+
+    From torchrun (RANK, LOCAL_RANK, WORLD_SIZE), else from srun (SLURM_PROCID,
+    SLURM_LOCALID, SLURM_NTASKS; rank 0 runs on the first node of the step,
+    which hosts the rendezvous, on a port derived from the job id), else one process.
+    """
+    env = os.environ
+    if "RANK" in env:
+        return int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"])
+    if "SLURM_PROCID" in env:
+        if "MASTER_ADDR" not in env:
+            nodes = int(env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", "1")))
+            host = "127.0.0.1" if nodes == 1 else first_host(env.get("SLURM_STEP_NODELIST",
+                                                                     env.get("SLURM_JOB_NODELIST", "")))
+            if not host:
+                raise UsageError("under SLURM on several nodes the processes meet on the first node, but neither "
+                                 "MASTER_ADDR nor a node list (SLURM_JOB_NODELIST) names it; set MASTER_ADDR.")
+            env["MASTER_ADDR"] = host
+        env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+        return int(env["SLURM_PROCID"]), int(env["SLURM_LOCALID"]), int(env["SLURM_NTASKS"])
+    env.setdefault("MASTER_ADDR", "127.0.0.1")
+    env.setdefault("MASTER_PORT", str(free_port()))  # alone: any free port will do
+    return 0, 0, 1
+
+
+def describe_process(local_rank: int) -> dict:
+    """This process's host and the GPU it would use: ``cuda:(local_rank % GPUs it sees)``.
+
+    Under ``srun --gpus-per-task=1`` each process sees one GPU, its own, as
+    ``cuda:0``; under torchrun every process of a node sees all of its GPUs.
+    """
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpu = None
+    if count:
+        index = local_rank % count
+        gpu = {"index": index, "uuid": str(getattr(torch.cuda.get_device_properties(index), "uuid", index))}
+    return {"host": socket.gethostname(), "gpu": gpu}
+
+
+def gpu_problem(everyone: list[dict]) -> str:
+    """Why the processes in ``everyone`` cannot each have a GPU of their own ("" if they can)."""
+    without = [i for i, p in enumerate(everyone) if p["gpu"] is None]
+    shared = collections.Counter((p["host"], p["gpu"]["uuid"]) for p in everyone if p["gpu"])
+    if len(without) == len(everyone):
+        return "no process sees a GPU"
+    if without:
+        return f"{len(without)} of the {len(everyone)} processes see no GPU (rank {without[0]})"
+    if max(shared.values()) > 1:
+        host = next(h for (h, _), n in shared.items() if n > 1)
+        users = sum(n for (h, _), n in shared.items() if h == host)
+        return f"{host} has {sum(h == host for h, _ in shared)} GPU(s) for {users} processes"
+    return "" if dist.is_nccl_available() else "this PyTorch was built without nccl"
+
+
+def meet(rank: int, world_size: int, timeout: float) -> tuple[dist.Store, list[dict]]:
+    """Reach the rendezvous at MASTER_ADDR:MASTER_PORT; return its store and every process's report."""
+    where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    try:
+        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size,
+                                           timeout=datetime.timedelta(seconds=timeout)))  # fmt: skip
+    except dist.DistError as err:
+        if "EADDRINUSE" in str(err) or "already in use" in str(err):
+            raise RendezvousError(f"port {where} is already in use; set MASTER_PORT to a free port.") from None
+        if "waiting for clients" in str(err):
+            joined = re.search(r"(\d+)/(\d+) clients", str(err))
+            count = f"only {joined[1]} of {joined[2]} processes" if joined else "not every process"
+            raise RendezvousError(f"{count} reached the rendezvous at {where} within {timeout:g} s; start all "
+                                  "of them, and check that every node can reach that address.") from None
+        raise RendezvousError(f"cannot reach the rendezvous at {where} within {timeout:g} s; check MASTER_ADDR "
+                              "and MASTER_PORT, and that rank 0 is running.") from None
+    # Every process reports its host and GPU; all read all reports, so all decide alike.
+    key = f"{SCRIPT}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    store.set(f"{key}{rank}", json.dumps(describe_process(env_rank(local=True))))
+    everyone = [json.loads(store.get(f"{key}{r}")) for r in range(world_size)]
+    store.add(f"{key}read", 1)
+    deadline = time.monotonic() + timeout
+    while rank == 0 and store.add(f"{key}read", 0) < world_size and time.monotonic() < deadline:
+        time.sleep(0.01)  # rank 0 may host the store: it stays until everyone has read
+    return store, everyone
+
+
+def setup_distributed(timeout: float = 600.0) -> tuple[int, int, int, torch.device]:
+    """Join the process group and return ``rank, local_rank, world_size, device``.
+
+    Every process reports its GPU at the rendezvous and all take the same
+    decision: nccl and a GPU each when every process has a GPU of its own,
+    else gloo on the CPU for all (a mix of the two would hang).
+    """
+    rank, local_rank, world_size = read_topology()
+    store, everyone = meet(rank, world_size, timeout)
+    problem = gpu_problem(everyone)
+    if problem:
+        device, backend = torch.device("cpu"), "gloo"
+        if any(p["gpu"] for p in everyone) and rank == 0:
+            print(f"{SCRIPT}: note: {problem}, so every process runs on the CPU with gloo.", flush=True)
+    else:
+        device, backend = torch.device("cuda", local_rank % torch.cuda.device_count()), "nccl"
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout),
+                            device_id=device if device.type == "cuda" else None)  # fmt: skip
+    return rank, local_rank, world_size, device
+
+
+def run_main(main) -> None:
+    """Call ``main()``; a UsageError ends every process with exit code 2 and one sentence."""
+    try:
+        main()
+    except UsageError as err:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        # Errors the processes agree on are said by rank 0; one that stopped them
+        # from meeting, by the first process of each node that saw it.
+        fail(str(err), printer=env_rank(local=isinstance(err, RendezvousError)) == 0)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog=SCRIPT, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", default="", help="tensors saved with torch.save (default: synthetic images)")
     parser.add_argument("--epochs", type=int, default=10, help="passes over the training set (default: 10)")
     parser.add_argument("--global-batch-size", type=int, default=128,
@@ -63,6 +241,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timing-steps", type=int, default=10,
                         help="rounds of the timing phase after training (default: 10; 0 skips it)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model and the shuffling (default: 0)")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds the processes wait for each other, in each collective too "
+                             "(default: 600, PyTorch's own)")
     parser.add_argument("--results", default="", help="JSON file that rank 0 writes at the end (default: none)")
     args = parser.parse_args(argv)
     for name in ("epochs", "global_batch_size", "width"):
@@ -71,42 +252,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("max_train", "max_test", "timing_steps"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must not be negative, not {getattr(args, name)}.")
+    if args.timeout <= 0:
+        parser.error(f"--timeout must be positive, not {args.timeout}.")
     return args
-
-
-# ---------------------------------------------------------------- processes
-
-
-def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def setup_distributed() -> tuple[int, int, int, torch.device]:
-    """Join the process group and return ``rank, local_rank, world_size, device``.
-
-    The ranks come from torchrun (RANK, LOCAL_RANK, WORLD_SIZE), else from
-    SLURM, else this is the only process.
-    """
-    env = os.environ
-    if "RANK" in env:
-        rank, local_rank, world_size = int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"])
-    elif "SLURM_PROCID" in env:
-        rank, local_rank, world_size = (int(env[k]) for k in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS"))
-    else:
-        rank, local_rank, world_size = 0, 0, 1
-        env.setdefault("MASTER_PORT", str(free_port()))  # alone: any free port will do
-    env.setdefault("MASTER_ADDR", "127.0.0.1")
-    env.setdefault("MASTER_PORT", "29500")
-    if torch.cuda.is_available() and local_rank < torch.cuda.device_count():
-        device, backend = torch.device("cuda", local_rank), "nccl"
-        torch.cuda.set_device(device)
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world_size)
-    return rank, local_rank, world_size, device
 
 
 def print0(rank: int, *parts: object) -> None:
@@ -176,15 +324,11 @@ def load_data(path: str, max_train: int, max_test: int, seed: int) -> tuple[Tens
         train, test = make_synthetic_data(seed)
         name = "synthetic images (no --data given: the accuracy only shows that training runs)"
     else:
-        try:
-            blob = torch.load(path, map_location="cpu", weights_only=True)
-        except FileNotFoundError:
-            raise UsageError(f"there is no data file {path}; save one with torch.save (see --help).") from None
-        except Exception as err:  # a corrupt or foreign file: say so in one line
-            raise UsageError(f"cannot read {path} as tensors saved with torch.save ({type(err).__name__}).") from None
-        missing = [k for k in DATA_KEYS if not isinstance(blob, dict) or k not in blob]
+        blob = read_data_file(path)
+        missing = [k for k in DATA_KEYS if not isinstance(blob, dict) or not isinstance(blob.get(k), torch.Tensor)]
         if missing:
-            raise UsageError(f"{path} lacks {', '.join(missing)}; it needs a dict with {', '.join(DATA_KEYS)}.")
+            raise UsageError(f"{path} lacks the tensors {', '.join(missing)}; it needs a dict with "
+                             f"{', '.join(DATA_KEYS)} (see --help).")
         for split in ("train", "test"):
             images, labels = blob[f"{split}_images"], blob[f"{split}_labels"]
             if images.dim() != 4 or labels.dim() != 1 or len(images) != len(labels) or len(labels) == 0:
@@ -198,6 +342,27 @@ def load_data(path: str, max_train: int, max_test: int, seed: int) -> tuple[Tens
     if max_test:
         test = TensorDataset(*(t[:max_test] for t in test.tensors))
     return train, test, name
+
+
+def read_data_file(path: str) -> object:
+    """``torch.load`` with ``weights_only=True``; each way it can fail gets its own sentence."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise UsageError(f"there is no data file {path} on {socket.gethostname()}; save one with torch.save "
+                         "(see --help).") from None
+    except pickle.UnpicklingError as err:
+        if "weights only" in str(err).lower():
+            raise UsageError(f"{path} holds Python objects that loading would have to run as code, so it was "
+                             "refused; save plain tensors in a dict (see --help).") from None
+    except (MemoryError, OSError, RuntimeError) as err:
+        if isinstance(err, (MemoryError, OSError)) or "memory" in str(err).lower():  # not the file's fault
+            detail = str(err).splitlines()[0] if str(err) else "no detail"
+            raise UsageError(f"cannot read {path} ({type(err).__name__}: {detail}); the file itself may be "
+                             "fine.") from None
+    except Exception:  # noqa: S110 - a damaged file raises one of several types, depending on where it breaks
+        pass
+    raise UsageError(f"{path} is truncated or not a file written with torch.save; save it again (see --help).")
 
 
 def make_synthetic_data(seed: int, n_train: int = 1024, n_test: int = 256) -> tuple[TensorDataset, TensorDataset]:
@@ -237,7 +402,18 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
     if args.global_batch_size % world_size:
         raise UsageError(f"the global batch ({args.global_batch_size}) does not split evenly over "
                          f"{world_size} processes; use a multiple of {world_size}.")
-    train_set, test_set, data_name = load_data(args.data, args.max_train, args.max_test, args.seed)
+    # Every rank reads the data; if one cannot (a file missing on one node), all stop together.
+    error, loaded = "", None
+    try:
+        loaded = load_data(args.data, args.max_train, args.max_test, args.seed)
+    except UsageError as err:
+        error = str(err)
+    errors = [""] * world_size
+    dist.all_gather_object(errors, error)
+    if any(errors):
+        first = next(r for r, e in enumerate(errors) if e)
+        raise UsageError(errors[first] if first == 0 else f"on rank {first}: {errors[first]}")
+    train_set, test_set, data_name = loaded
     micro_batch_size = args.global_batch_size // world_size
     if len(train_set) < args.global_batch_size:
         raise UsageError(f"{len(train_set)} training images are fewer than one global batch "
@@ -366,19 +542,14 @@ def time_parts(ddp_model: DDP, optimizer: torch.optim.Optimizer, loader: DataLoa
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    rank, _, world_size, device = setup_distributed(args.timeout)
     try:
-        rank, _, world_size, device = setup_distributed()
-        try:
-            results = train(args, rank, world_size, device)
-            if rank == 0 and args.results:
-                Path(args.results).write_text(json.dumps(results, indent=1))
-        finally:
-            dist.destroy_process_group()
-    except UsageError as err:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"{Path(__file__).name}: {err}", file=sys.stderr)
-        sys.exit(2)
+        results = train(args, rank, world_size, device)
+        if rank == 0 and args.results:
+            Path(args.results).write_text(json.dumps(results, indent=1))
+    finally:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -4,27 +4,37 @@ Launch lines, from the repository's root folder:
     python companion/scripts/ddp_train.py                          # one process
     python companion/scripts/ddp_train.py --spawn 2                # 2 processes started by mp.spawn
     torchrun --standalone --nproc-per-node=2 companion/scripts/ddp_train.py
-    torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
+    torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
         --rdzv-id=run1 companion/scripts/ddp_train.py              # on each of 2 nodes
-    srun --nodes=2 --ntasks-per-node=4 python companion/scripts/ddp_train.py   # under SLURM
+    srun --nodes=2 --ntasks-per-node=4 --gpus-per-task=1 python companion/scripts/ddp_train.py
     sbatch companion/scripts/ddp_train.sbatch                      # SLURM batch job
 
 Each process trains a replica of the same model on its own shard of every
 global batch (``DistributedSampler``); DDP averages the gradients, so every
-replica takes the same step. The backend is nccl when every process has a GPU,
-gloo otherwise. Rank 0 logs, writes checkpoints (atomically) and, with
-``--results FILE``, a JSON summary. A run resumes from the newest checkpoint in
-``--checkpoint-dir``. Bad input ends with one sentence on stderr and exit code 2.
+replica takes the same step. All processes make one decision together: nccl
+with one GPU each when every process has a GPU of its own, else gloo on the
+CPUs of all of them (``--backend nccl`` then stops with one sentence).
+
+Writes: log lines on rank 0; a checkpoint every ``--checkpoint-every`` steps
+in ``--checkpoint-dir`` (atomically, by rank 0; a run resumes from the newest
+one); with ``--results FILE``, a JSON summary (losses, accuracies, timing,
+parameter checksum, who ran where).
+
+Exit codes: 0 done; 2 bad input or a setting the processes cannot run with,
+said in one sentence on stderr by rank 0 (or, when the processes cannot meet,
+by the first process of each node); 1 anything unexpected (a traceback).
 The file imports only torch and the standard library: copy it anywhere.
 """
 
 import argparse
+import collections
 import datetime
 import hashlib
 import itertools
 import json
 import math
 import os
+import pickle
 import re
 import signal
 import socket
@@ -33,32 +43,56 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-import torch.nn.functional as F
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, TensorDataset
-from torch.utils.data.distributed import DistributedSampler
 
 SCRIPT = Path(__file__).name
-CHECKPOINT_NAME = re.compile(r"step-(\d+)\.pt")
-FEATURES, CLASSES, HIDDEN = 8, 4, 32  # toy problem: 8-D points from 4 Gaussian blobs
+MIN_TORCH = (2, 4)  # init_process_group(device_id=...), torch.load(weights_only=True) of plain tensors
 
 
 class UsageError(Exception):
     """Bad input: the message is one sentence saying what is wrong and what to do."""
 
 
+class RendezvousError(UsageError):
+    """The processes could not meet: only the process that saw it can say so."""
+
+
+def env_rank(local: bool = False) -> int:
+    """This process's (local) rank as its launcher set it; 0 without a launcher."""
+    names = ("LOCAL_RANK", "SLURM_LOCALID") if local else ("RANK", "SLURM_PROCID")
+    return int(os.environ.get(names[0], os.environ.get(names[1], "0")))
+
+
+def fail(message: str, code: int = 2, printer: bool | None = None) -> None:
+    """Print ``SCRIPT: error: message`` (on rank 0 unless told otherwise) and exit with ``code``."""
+    if env_rank() == 0 if printer is None else printer:
+        print(f"{SCRIPT}: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+if tuple(int(n) for n in re.findall(r"\d+", torch.__version__)[:2]) < MIN_TORCH:
+    fail(f"this script needs PyTorch {'.'.join(map(str, MIN_TORCH))} or newer, not {torch.__version__}; "
+         "upgrade it with pip install --upgrade torch.")
+
+import torch.distributed as dist  # noqa: E402 (after the version check, which names what is missing)
+import torch.multiprocessing as mp  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+from torch.utils.data.distributed import DistributedSampler  # noqa: E402
+
+CHECKPOINT_NAME = re.compile(r"step-(\d+)\.pt")
+FEATURES, CLASSES, HIDDEN = 8, 4, 32  # toy problem: 8-D points from 4 Gaussian blobs
+
+
 class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         """Print one line, not the usage block (``--help`` shows that), and exit with code 2."""
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
-        sys.exit(2)
+        fail(message)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = ArgumentParser(prog=SCRIPT, description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog=SCRIPT, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps in all (default: 200)")
     parser.add_argument("--epochs", type=float, default=None,
                         help="train for this many passes over the data instead of --steps (default: unset)")
@@ -72,14 +106,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["float32", "float64"], default="float32",
                         help="parameter and data type (default: float32)")
     parser.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
-                        help="collective backend; auto = nccl if every process has a GPU, else gloo (default: auto)")
+                        help="collective backend; auto = nccl if every process has a GPU of its own, "
+                             "else gloo on the CPUs (default: auto)")
     parser.add_argument("--checkpoint-dir", default="",
-                        help="folder for checkpoints; a run resumes from the newest one there (default: none)")
+                        help="folder for checkpoints, on a file system every node sees; a run resumes from the "
+                             "newest one there (default: none)")
     parser.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints (default: 50)")
     parser.add_argument("--keep-checkpoints", type=int, default=2, help="newest checkpoints to keep (default: 2)")
-    parser.add_argument("--log-every", type=int, default=50, help="steps between log lines on rank 0 (default: 50)")
-    parser.add_argument("--timeout", type=float, default=120.0,
-                        help="seconds a collective may wait for the other processes (default: 120)")
+    parser.add_argument("--log-every", type=int, default=50,
+                        help="steps between log lines on rank 0; the losses are gathered then (default: 50)")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds the processes wait for each other to meet and in each collective "
+                             "(default: 600, PyTorch's own)")
     parser.add_argument("--spawn", type=int, default=0,
                         help="start this many local processes with mp.spawn, without a launcher (default: 0 = no)")
     parser.add_argument("--results", default="", help="JSON file that rank 0 writes at the end (default: none)")
@@ -111,30 +149,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def read_topology() -> tuple[int, int, int, int]:
-    """Return ``rank, local_rank, world_size, local_world_size``.
+def first_host(nodelist: str) -> str:
+    """Return the first host of a SLURM node list: ``gpu[07-08,10],cpu1`` -> ``gpu07``; "" if there is none."""
+    first = re.split(r",(?![^\[]*\])", nodelist.strip())[0]
+    return re.sub(r"\[([^\],-]+)[^\]]*\]", r"\1", first)
+
+
+def read_topology() -> tuple[int, int, int]:
+    """Return ``rank, local_rank, world_size``, and make sure MASTER_ADDR and MASTER_PORT are set.
 
     From torchrun's (or mp.spawn's) RANK/LOCAL_RANK/WORLD_SIZE, else SLURM's
-    SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS, else one process.
+    SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS, else one process. Under srun,
+    rank 0 runs on the first node of the step's node list, which hosts the
+    rendezvous; the port comes from the job id, so two jobs on a node differ.
     """
     env = os.environ
     if "RANK" in env:
-        world_size = int(env["WORLD_SIZE"])
-        local_world_size = int(env.get("LOCAL_WORLD_SIZE", world_size))
-        return int(env["RANK"]), int(env["LOCAL_RANK"]), world_size, local_world_size
+        return int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"])
     if "SLURM_PROCID" in env:
-        world_size, nodes = int(env["SLURM_NTASKS"]), int(env.get("SLURM_NNODES", 1))
-        if nodes > 1 and "MASTER_ADDR" not in env:
-            raise UsageError("under SLURM with several nodes, set MASTER_ADDR to the first node's host name "
-                             "(ddp_train.sbatch shows how).")
-        env.setdefault("MASTER_ADDR", "127.0.0.1")
-        env.setdefault("MASTER_PORT", "29500")
-        local_world_size = int(env.get("SLURM_NTASKS_PER_NODE", world_size // nodes))
-        return int(env["SLURM_PROCID"]), int(env["SLURM_LOCALID"]), world_size, local_world_size
+        if "MASTER_ADDR" not in env:
+            nodes = int(env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", "1")))
+            host = "127.0.0.1" if nodes == 1 else first_host(env.get("SLURM_STEP_NODELIST",
+                                                                     env.get("SLURM_JOB_NODELIST", "")))
+            if not host:
+                raise UsageError("under SLURM on several nodes the processes meet on the first node, but neither "
+                                 "MASTER_ADDR nor a node list (SLURM_JOB_NODELIST) names it; set MASTER_ADDR "
+                                 "(ddp_train.sbatch shows how).")
+            env["MASTER_ADDR"] = host
+        env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+        return int(env["SLURM_PROCID"]), int(env["SLURM_LOCALID"]), int(env["SLURM_NTASKS"])
     env.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in env:
         env["MASTER_PORT"] = str(free_port())
-    return 0, 0, 1, 1
+    return 0, 0, 1
 
 
 def node_rank() -> int:
@@ -142,41 +189,100 @@ def node_rank() -> int:
     return int(os.environ.get("GROUP_RANK", os.environ.get("SLURM_NODEID", 0)))
 
 
-def pick_device(backend: str, local_rank: int, local_world_size: int) -> tuple[str, torch.device]:
-    """Return the backend and this process's device: a GPU of its own with nccl, the CPU with gloo."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if backend == "gloo" or (backend == "auto" and gpus == 0):
+def describe_process(local_rank: int) -> dict:
+    """Return this process's host and the GPU it would use: ``cuda:(local_rank % GPUs it sees)``.
+
+    Under ``srun --gpus-per-task=1`` each process sees one GPU, its own, as
+    ``cuda:0``; under torchrun every process of a node sees all of its GPUs.
+    """
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpu = None
+    if count:
+        index = local_rank % count
+        gpu = {"index": index, "uuid": str(getattr(torch.cuda.get_device_properties(index), "uuid", index))}
+    return {"host": socket.gethostname(), "gpu": gpu}
+
+
+def pick_device(backend: str, local_rank: int, local_world_size: int,
+                everyone: list[dict] | None = None) -> tuple[str, torch.device]:  # fmt: skip
+    """Return the backend and this process's device; every process that sees ``everyone`` decides alike.
+
+    nccl and a GPU of its own for each process when every process has one,
+    else gloo on the CPU for all; ``backend="nccl"`` then raises one sentence.
+    ``everyone`` holds what each process reported (``describe_process``);
+    without it, ``local_world_size`` processes on this node that see what
+    this one sees.
+    """
+    if everyone is None:
+        everyone = [describe_process(r) for r in range(local_world_size)]
+    problem = ""
+    without = [i for i, p in enumerate(everyone) if p["gpu"] is None]
+    shared = collections.Counter((p["host"], p["gpu"]["uuid"]) for p in everyone if p["gpu"])
+    if len(without) == len(everyone) and len({p["host"] for p in everyone}) == 1:
+        problem = "this node has no GPU"
+    elif without:
+        problem = (f"{len(without)} of the {len(everyone)} processes see no GPU "
+                   f"(rank {without[0]} on {everyone[without[0]]['host']})")  # fmt: skip
+    elif max(shared.values()) > 1:
+        host = next(h for (h, _), n in shared.items() if n > 1)
+        gpus = sum(1 for h, _ in shared if h == host)
+        users = sum(n for (h, _), n in shared.items() if h == host)
+        problem = (f"{host} has {gpus} GPU(s) for {users} processes; start at most {gpus} per node, "
+                   "or give each its own with srun --gpus-per-task=1")  # fmt: skip
+    elif not dist.is_nccl_available():
+        problem = "this PyTorch was built without nccl"
+    if backend == "nccl" and problem:
+        raise UsageError(f"the nccl backend needs one GPU per process, but {problem}; use --backend gloo.")
+    if backend == "gloo" or problem:
         return "gloo", torch.device("cpu")
-    if gpus == 0:
-        raise UsageError("the nccl backend needs one GPU per process, but this node has no GPU; "
-                         "use --backend gloo.")
-    if gpus < local_world_size:
-        raise UsageError(f"the nccl backend needs one GPU per process, but this node has {gpus} GPU(s) for "
-                         f"{local_world_size} processes; start at most {gpus} per node, or use --backend gloo.")
-    if not dist.is_nccl_available():
-        raise UsageError("this PyTorch was built without nccl; use --backend gloo.")
-    device = torch.device("cuda", local_rank)
+    device = torch.device("cuda", local_rank % torch.cuda.device_count())  # the GPU describe_process named
     torch.cuda.set_device(device)
     return "nccl", device
 
 
+def meet(rank: int, world_size: int, timeout: float) -> tuple[dist.Store, list[dict]]:
+    """Reach the rendezvous at MASTER_ADDR:MASTER_PORT; return its store and every process's report."""
+    where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    try:
+        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size,
+                                           timeout=datetime.timedelta(seconds=timeout)))  # fmt: skip
+    except dist.DistError as err:
+        if "EADDRINUSE" in str(err) or "already in use" in str(err):
+            raise RendezvousError(f"port {where} is already in use; set MASTER_PORT to a free port.") from None
+        if "waiting for clients" in str(err):
+            joined = re.search(r"(\d+)/(\d+) clients", str(err))
+            count = f"only {joined[1]} of {joined[2]} processes" if joined else "not every process"
+            raise RendezvousError(f"{count} reached the rendezvous at {where} within {timeout:g} s; start all "
+                                  "of them, and check that every node can reach that address.") from None
+        raise RendezvousError(f"cannot reach the rendezvous at {where} within {timeout:g} s; check MASTER_ADDR "
+                              "and MASTER_PORT, and that rank 0 is running.") from None
+    # Every process reports its host and GPU; all read all reports, so all decide alike.
+    key = f"ddp_train/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    store.set(f"{key}{rank}", json.dumps(describe_process(env_rank(local=True))))
+    everyone = [json.loads(store.get(f"{key}{r}")) for r in range(world_size)]
+    store.add(f"{key}read", 1)
+    deadline = time.monotonic() + timeout
+    while rank == 0 and store.add(f"{key}read", 0) < world_size and time.monotonic() < deadline:
+        time.sleep(0.01)  # rank 0 may host the store: it stays until everyone has read
+    return store, everyone
+
+
 def setup_distributed(args: argparse.Namespace) -> tuple[int, int, int, torch.device]:
     """Join the process group and return ``rank, local_rank, world_size, device``."""
-    rank, local_rank, world_size, local_world_size = read_topology()
-    backend, device = pick_device(args.backend, local_rank, local_world_size)
+    rank, local_rank, world_size = read_topology()
+    store, everyone = meet(rank, world_size, args.timeout)
+    backend, device = pick_device(args.backend, local_rank, 0, everyone)
+    if args.backend == "auto" and backend == "gloo" and any(p["gpu"] for p in everyone):
+        print0(rank, "note: not every process has a GPU of its own, so all of them train on the CPU with gloo")
+    local_world_size = sum(p["host"] == everyone[rank]["host"] for p in everyone)
     if device.type == "cpu" and local_world_size > 1:
         # The processes share the cores: more threads than their share (one each
         # on a small machine) would oversubscribe them. torchrun sets 1 already.
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         torch.set_num_threads(min(torch.get_num_threads(), max(1, cores // local_world_size)))
-    try:
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=args.timeout))  # fmt: skip
-    except dist.DistNetworkError as err:
-        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-        if "EADDRINUSE" in str(err) or "already in use" in str(err):
-            raise UsageError(f"port {where} is already in use; set MASTER_PORT to a free port.") from None
-        raise UsageError(f"cannot reach the rendezvous at {where}; check MASTER_ADDR and MASTER_PORT.") from None
+    dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=args.timeout),
+                            device_id=device if device.type == "cuda" else None)  # fmt: skip
     return rank, local_rank, world_size, device
 
 
@@ -256,21 +362,47 @@ def save_checkpoint(folder: Path, state: dict, keep: int) -> Path:
     tmp = path.with_name(path.name + ".tmp")
     torch.save(state, tmp)
     os.replace(tmp, path)  # readers see the old file or the whole new one, never half of one
-    old = sorted(p for p in folder.glob("step-*.pt") if CHECKPOINT_NAME.fullmatch(p.name))[:-keep]
-    for stale in old:
+    steps = sorted((int(m.group(1)), p) for p in folder.glob("step-*.pt") if (m := CHECKPOINT_NAME.fullmatch(p.name)))
+    for _, stale in steps[:-keep]:  # by step number: step-1000000.pt is newer than step-999999.pt
         stale.unlink(missing_ok=True)
     return path
 
 
+def read_checkpoint(path: Path, device: torch.device) -> object:
+    """``torch.load`` with ``weights_only=True``; each way it can fail gets its own sentence.
+
+    Only a file that is truly damaged is worth deleting: a file missing on
+    this node, one refused for holding code, or a read that ran out of memory
+    says nothing against the checkpoint itself.
+    """
+    host = socket.gethostname()
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except FileNotFoundError:
+        raise UsageError(f"checkpoint {path}, which rank 0 chose, is missing on {host}; put --checkpoint-dir "
+                         "on a file system that every node sees.") from None
+    except pickle.UnpicklingError as err:
+        if "weights only" in str(err).lower():
+            raise UsageError(f"checkpoint {path} holds Python objects that loading would have to run as code, "
+                             "so it was refused; it is not one of this script's: move it out of "
+                             "--checkpoint-dir.") from None
+    except (MemoryError, OSError, RuntimeError) as err:
+        if isinstance(err, (MemoryError, OSError)) or "memory" in str(err).lower():  # not the file's fault
+            detail = str(err).splitlines()[0] if str(err) else "no detail"
+            raise UsageError(f"cannot read checkpoint {path} on {host} ({type(err).__name__}: {detail}); the "
+                             "file itself may be fine, so keep it and fix the cause.") from None
+    except Exception:  # noqa: S110 - a damaged file raises one of several types, depending on where it breaks
+        pass
+    raise UsageError(f"checkpoint {path} is truncated or corrupt; delete it to resume from an older one.")
+
+
 def load_checkpoint(path: Path, device: torch.device, config: dict) -> dict:
     """Load a checkpoint that rank 0 chose; every rank reads it to its own device."""
-    try:
-        state = torch.load(path, map_location=device, weights_only=True)
-    except Exception:  # a truncated file raises one of several types, depending on where it breaks
-        state = None
+    state = read_checkpoint(path, device)
     if not isinstance(state, dict) or not CHECKPOINT_KEYS <= state.keys():
-        raise UsageError(f"checkpoint {path} cannot be read (it is corrupt or not one of this script's); "
-                         "delete it to resume from an older one.")
+        raise UsageError(f"checkpoint {path} is not one of this script's (it lacks "
+                         f"{', '.join(sorted(CHECKPOINT_KEYS - set(state) if isinstance(state, dict) else CHECKPOINT_KEYS))}); "
+                         "move it out of --checkpoint-dir.")
     for key in RESUME_KEYS:
         if state["config"].get(key) != config[key]:
             raise UsageError(f"checkpoint {path} was written with {key}={state['config'].get(key)}, not "
@@ -349,7 +481,18 @@ def train(args: argparse.Namespace) -> None:
     start_step = step
     ddp = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)  # broadcasts rank 0's weights
 
+    pending: list[torch.Tensor] = []  # this rank's losses since the last gathering, still on the device
+
+    def gather_losses() -> None:
+        """Turn the pending local losses into global-batch means: one all-reduce for many steps."""
+        if pending:
+            summed = torch.stack(pending)
+            dist.all_reduce(summed)
+            losses.extend(x / world_size for x in summed.tolist())  # .tolist() waits for the device
+            pending.clear()
+
     def checkpoint() -> None:
+        gather_losses()  # on every rank: it is a collective
         if rank == 0 and folder:
             state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
                      "losses": losses, "config": config}  # the unwrapped model: loadable without DDP
@@ -368,11 +511,10 @@ def train(args: argparse.Namespace) -> None:
             loss.backward()  # DDP averages the gradients over all ranks here
             optimizer.step()
             step += 1
-            mean_loss = loss.detach().clone()
-            dist.all_reduce(mean_loss)  # the loss of the whole global batch, for the log
-            losses.append(mean_loss.item() / world_size)  # .item() waits for the device
+            pending.append(loss.detach())  # no sync and no collective here: the log gathers them
             if step % args.log_every == 0 or step == total_steps:
-                print0(rank, f"step {step:5d}/{total_steps}  epoch {epoch}  loss {losses[-1]:.4f}")
+                gather_losses()
+                print0(rank, f"step {step:5d}/{total_steps}  epoch {epoch + 1}  loss {losses[-1]:.4f}")
             if step % args.checkpoint_every == 0:
                 checkpoint()
             if step == args.fail_at_step and rank == world_size - 1:
@@ -385,6 +527,7 @@ def train(args: argparse.Namespace) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
+    gather_losses()
     if step % args.checkpoint_every:
         checkpoint()
 
@@ -412,15 +555,15 @@ def train(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    """Train; on bad input, print one sentence (rank 0) and exit with code 2."""
+    """Train; on bad input, print one sentence and exit with code 2 (every rank)."""
     try:
         train(args)
     except UsageError as err:
-        if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
-            print(f"{SCRIPT}: error: {err}", file=sys.stderr, flush=True)
         if dist.is_initialized():
             dist.destroy_process_group()
-        sys.exit(2)
+        # Errors the processes agree on are said by rank 0; one that stopped them
+        # from meeting, by the first process of each node that saw it.
+        fail(str(err), printer=env_rank(local=isinstance(err, RendezvousError)) == 0)
 
 
 def spawned_worker(local_rank: int, args: argparse.Namespace, nprocs: int) -> None:
