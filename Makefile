@@ -10,13 +10,13 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: book test test-portable unit notebooks execute doctor clean
 
-$(STAMP): requirements.txt pyproject.toml
+$(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -r requirements.txt
 	# d2l 1.0.3 pins ancient numpy/pandas/matplotlib: install it without them
 	# (its real imports are in requirements.txt).
-	$(BIN)/pip install --quiet --no-deps d2l==1.0.3
+	$(BIN)/pip install --quiet --no-deps -r requirements-nodeps.txt
 	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 

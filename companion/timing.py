@@ -132,13 +132,18 @@ def benchmark(
 
 
 def format_table(
-    rows: Sequence[dict[str, Any]], *, title: str = "", hardware: bool = True
+    rows: Sequence[dict[str, Any]],
+    *,
+    title: str = "",
+    hardware: bool = True,
+    threads: int | str | None = None,
 ) -> str:
     """Lay out rows of equal keys as a plain-text table.
 
     ``Timing`` values are shown as their median time; floats with 3
     significant digits. A last line says which hardware the numbers came
-    from, with the threads the table's timings used.
+    from, with the threads the measurements used: ``threads`` when given,
+    else those of the table's ``Timing`` values, else the current setting.
     """
     if not rows:
         return title
@@ -158,9 +163,10 @@ def format_table(
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in cells]
     if hardware:
-        threads = sorted({v.threads for row in rows for v in row.values() if isinstance(v, Timing)})
-        threads_text = " and ".join(map(str, threads)) if threads else None
-        lines.append(f"Measured on: {describe_hardware(threads_text)}")
+        if threads is None:
+            used = sorted({v.threads for row in rows for v in row.values() if isinstance(v, Timing)})
+            threads = " and ".join(map(str, used)) if used else None
+        lines.append(f"Measured on: {describe_hardware(threads)}")
     return "\n".join(lines)
 
 

@@ -133,3 +133,11 @@ def test_bf16_matmul_support_reads_cpu_flags(tmp_path):
     assert bf16_matmul_support(epyc) is None
     assert cpu_flags(tmp_path / "missing") == set()
     assert "fma" in cpu_flags(epyc)
+
+
+def test_format_table_names_the_threads_the_timings_used():
+    from companion.timing import format_table
+
+    rows = [{"what": "a", "time": timing(1e-3)}, {"what": "b", "time": Timing("t", 1e-3, 0, 7, "hw", 2)}]
+    assert format_table(rows).splitlines()[-1].endswith(", 1 and 2 threads")
+    assert format_table([{"what": "a", "time": "1 ms"}], threads=1).endswith(", 1 thread")
