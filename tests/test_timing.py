@@ -2,19 +2,117 @@
 
 import math
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.utils.benchmark
 
+from companion import timing
 from companion.timing import Benchmark, Timing, benchmark, format_table, format_time
 
 
 @pytest.mark.parametrize(
     "seconds, text",
-    [(2.5, "2.5 s"), (0.0123, "12.3 ms"), (4.56e-5, "45.6 us"), (7e-8, "70 ns"), (math.nan, "n/a")],
+    [
+        (2.5, "2.5 s"),
+        (1.0, "1 s"),
+        (0.999, "999 ms"),
+        (0.0123, "12.3 ms"),
+        (1e-3, "1 ms"),
+        (4.56e-5, "45.6 us"),
+        (1e-6, "1 us"),
+        (7e-8, "70 ns"),
+        (math.nan, "n/a"),
+        (math.inf, "n/a"),
+    ],
 )
 def test_format_time_picks_unit(seconds, text):
     assert format_time(seconds) == text
+
+
+def test_timing_str_names_median_spread_and_runs():
+    assert str(Timing("sleep", 0.0123, 4.56e-5, 7, "hw")) == "sleep: 12.3 ms per call (IQR 45.6 us, 7 runs)"
+
+
+class FakeTimer:
+    """Stands in for torch.utils.benchmark.Timer: returns the medians it is given.
+
+    It still calls the timed function ``number`` times per ``timeit``, and it
+    records how many calls had been made before the first measurement.
+    """
+
+    instances: list["FakeTimer"] = []
+
+    def __init__(self, medians, stmt, globals, num_threads, label):
+        self.medians = iter(medians)
+        self.globals = globals
+        self.num_threads = num_threads
+        self.numbers: list[int] = []
+        self.calls_before_timing: int | None = None
+        FakeTimer.instances.append(self)
+
+    def timeit(self, number):
+        g = self.globals
+        if self.calls_before_timing is None:
+            # the tests time list.append: the list holds one item per call
+            self.calls_before_timing = len(getattr(g["fn"], "__self__", ()))
+        self.numbers.append(number)
+        for _ in range(number):
+            g["fn"](*g["args"], **g["kwargs"])
+        return SimpleNamespace(median=next(self.medians))
+
+
+@pytest.fixture
+def fake_timer(monkeypatch):
+    """Install a FakeTimer that replies with the medians the test sets."""
+    medians: list[float] = []
+    FakeTimer.instances = []
+    monkeypatch.setattr(
+        torch.utils.benchmark, "Timer", lambda **kw: FakeTimer(medians, **kw)
+    )
+    return medians
+
+
+def test_benchmark_warms_up_before_timing(fake_timer, monkeypatch):
+    events = []
+    monkeypatch.setattr(timing, "synchronize", lambda: events.append(("sync", len(calls))))
+    fake_timer += [1e-3] * 8
+    calls: list[int] = []
+    benchmark(calls.append, 1, warmup=3, repeats=7, min_run_time=0.01)
+    (timer,) = FakeTimer.instances
+    assert timer.calls_before_timing == 3  # exactly the warm-up calls, then the clock
+    assert events[0] == ("sync", 3)  # queued warm-up work is finished before timing
+    FakeTimer.instances = []
+    calls.clear()
+    fake_timer += [1e-3] * 8
+    benchmark(calls.append, 1, warmup=0, repeats=7, min_run_time=0.01)
+    assert FakeTimer.instances[0].calls_before_timing == 0
+
+
+def test_benchmark_median_and_iqr_of_the_blocks(fake_timer):
+    # One call takes 1/32 s, so blocks of 0.5 s / 4 repeats hold 4 calls each.
+    fake_timer += [0.03125, 0.004, 0.001, 0.003, 0.002]
+    calls: list[int] = []
+    result = benchmark(calls.append, 0, label="fake", warmup=1, repeats=4, min_run_time=0.5)
+    (timer,) = FakeTimer.instances
+    assert timer.numbers == [1, 4, 4, 4, 4]
+    assert len(calls) == 1 + 1 + 16
+    assert result.label == "fake" and result.runs == 4
+    assert result.median == pytest.approx(0.0025)  # between 2 and 3 ms
+    # Quartiles of 1, 2, 3, 4 ms (exclusive method): 1.25 and 3.75 ms.
+    assert result.iqr == pytest.approx(0.0025)
+    assert timer.num_threads == torch.get_num_threads()
+
+
+def test_benchmark_one_block_and_slow_calls(fake_timer):
+    # A call slower than the whole budget: blocks of one call, never zero.
+    fake_timer += [10.0, 7.0]
+    result = benchmark(lambda _: None, [], warmup=0, repeats=1, min_run_time=0.1, num_threads=3)
+    (timer,) = FakeTimer.instances
+    assert timer.numbers == [1, 1]
+    assert timer.num_threads == 3
+    assert (result.median, result.iqr, result.runs) == (7.0, 0.0, 1)
 
 
 def test_benchmark_measures_a_known_duration():
@@ -33,13 +131,47 @@ def test_benchmark_tells_small_from_large_work():
     assert t_large.median > t_small.median  # 512x the flops
 
 
-def test_benchmark_warms_up_before_timing():
-    calls = []
-    benchmark(calls.append, 1, warmup=3, min_run_time=0.01)
-    assert len(calls) > 3
+@pytest.mark.parametrize("available", [True, False])
+def test_synchronize_waits_for_the_accelerator_only_when_there_is_one(monkeypatch, available):
+    waits = []
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: available)
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda *a: waits.append(a))
+    timing.synchronize()
+    assert waits == ([()] if available else [])
 
 
-def test_benchmark_context_manager_prints_and_stores(capsys):
+@pytest.fixture
+def fake_clock(monkeypatch):
+    """A clock that reads 10 s, then 10.25 s; the events list shows clock reads and syncs."""
+    events = []
+    readings = iter([10.0, 10.25])
+
+    def perf_counter():
+        events.append("clock")
+        return next(readings)
+
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=perf_counter))
+    monkeypatch.setattr(timing, "synchronize", lambda: events.append("sync"))
+    return events
+
+
+def test_benchmark_context_manager_syncs_at_both_ends(fake_clock, capsys):
+    with Benchmark("nap") as b:
+        fake_clock.append("work")
+    # the work queued before the block is finished before the clock starts,
+    # and the block's work before the clock stops
+    assert fake_clock == ["sync", "clock", "work", "sync", "clock"]
+    assert b.elapsed == 0.25
+    assert capsys.readouterr().out == "nap: 250 ms\n"
+
+
+def test_benchmark_context_manager_quiet(fake_clock, capsys):
+    with Benchmark("nap", quiet=True) as b:
+        pass
+    assert b.elapsed == 0.25 and capsys.readouterr().out == ""
+
+
+def test_benchmark_context_manager_measures_real_time(capsys):
     with Benchmark("nap") as b:
         time.sleep(0.02)
     assert 0.019 < b.elapsed < 0.5
@@ -55,9 +187,19 @@ def test_benchmark_context_manager_silent_on_error(capsys):
 
 def test_format_table_aligns_and_names_hardware():
     t = Timing("x", 0.002, 0.0001, 10, "hw")
-    text = format_table([{"variant": "eager", "time": t, "ratio": 1.0}, {"variant": "compiled", "time": t, "ratio": 2.345}], title="T")
-    lines = text.splitlines()
+    rows = [{"variant": "eager", "time": t, "ratio": 1.0}, {"variant": "compiled", "time": t, "ratio": 2.345}]
+    assert format_table(rows, hardware=False) == (
+        "variant   time  ratio\n"
+        "--------  ----  -----\n"
+        "eager     2 ms  1\n"
+        "compiled  2 ms  2.35"
+    )
+    lines = format_table(rows, title="T").splitlines()
     assert lines[0] == "T"
-    assert lines[1].split() == ["variant", "time", "ratio"]
-    assert "2 ms" in lines[3] and "2.35" in lines[4]
-    assert lines[-1].startswith("Measured on: ")
+    assert lines[1:5] == format_table(rows, hardware=False).splitlines()
+    assert len(lines) == 6 and lines[-1].startswith("Measured on: ")
+
+
+def test_format_table_of_no_rows_is_the_title():
+    assert format_table([], title="Nothing measured") == "Nothing measured"
+    assert format_table([]) == ""
