@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import math
 
+import psutil
 import pytest
+import torch
 
+from companion import hardware
+from companion.devices import cpu_count
 from companion.hardware import (
     MachineLimits,
     PeakEstimate,
@@ -15,6 +19,7 @@ from companion.hardware import (
     measure_matmul_gflops,
     read_cpu_clock,
 )
+from companion.timing import Timing
 
 
 def test_read_cpu_clock_prefers_sysfs_then_cpuinfo(tmp_path):
@@ -48,8 +53,55 @@ def test_estimate_cpu_peak_says_when_unknown():
 
 def test_estimate_cpu_peak_on_this_machine():
     peak = estimate_cpu_peak()
-    assert peak.cores >= 1
+    assert 1 <= peak.cores <= cpu_count()
+    assert peak.isa == torch.backends.cpu.get_cpu_capability()
     assert peak.gflops is None or peak.gflops > 0
+
+
+@pytest.mark.parametrize(
+    "usable, physical, cores", [(8, 4, 4), (2, 16, 2), (8, None, 8)], ids=["smt", "affinity", "unknown"]
+)
+def test_estimate_cpu_peak_detects_cores_clock_and_isa(monkeypatch, usable, physical, cores):
+    # SMT siblings share the FMA units: count physical cores, within those this process may use.
+    monkeypatch.setattr(hardware, "cpu_count", lambda: usable)
+    monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: physical if not logical else 2 * usable)
+    monkeypatch.setattr(hardware, "read_cpu_clock", lambda: (2.0, "from the test"))
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    peak = estimate_cpu_peak()
+    assert (peak.cores, peak.clock_ghz, peak.isa, peak.clock_source) == (cores, 2.0, "AVX2", "from the test")
+    assert peak.gflops == cores * 2.0 * 32
+    assert estimate_cpu_peak(cores=3, clock_ghz=1.5).clock_source == "clock given by the caller"
+
+
+@pytest.fixture
+def timed(monkeypatch):
+    """Replace companion.hardware's benchmark: every call "takes" 1 ms; the calls are recorded."""
+    calls = []
+
+    def fake_benchmark(fn, *args, **kwargs):
+        calls.append((fn, args, kwargs))
+        return Timing("fake", 1e-3, 0.0, 7, "test machine")
+
+    monkeypatch.setattr(hardware, "benchmark", fake_benchmark)
+    return calls
+
+
+def test_matmul_gflops_counts_two_n_cubed_flops(timed):
+    # 2 x 100^3 = 2e6 FLOPs in 1 ms: 2 GFLOP/s.
+    assert measure_matmul_gflops(100, min_run_time=0.5, num_threads=3) == pytest.approx(2.0)
+    ((fn, (a, b), kwargs),) = timed
+    assert fn is torch.mm and a.shape == b.shape == (100, 100)
+    assert kwargs["out"].shape == (100, 100)
+    assert (kwargs["min_run_time"], kwargs["num_threads"]) == (0.5, 3)
+
+
+def test_bandwidth_counts_bytes_read_and_written(timed):
+    # A copy of 4,000 bytes reads 4,000 and writes 4,000: 8e3 bytes in 1 ms is 8e-3 GB/s.
+    assert measure_bandwidth(4000, min_run_time=0.5) == pytest.approx(8e-3)
+    ((fn, (src,), kwargs),) = timed
+    assert src.nbytes == 4000 and fn.__self__.shape == src.shape and kwargs["min_run_time"] == 0.5
+    assert measure_bandwidth(4003) == pytest.approx(8e-3)  # whole float32s only
+    assert measure_bandwidth(4) == pytest.approx(8e-6)
 
 
 def test_measurements_are_positive_rates():
@@ -60,7 +112,39 @@ def test_measurements_are_positive_rates():
     with pytest.raises(ValueError, match="positive"):
         measure_matmul_gflops(0)
     with pytest.raises(ValueError, match="at least 4 bytes"):
-        measure_bandwidth(2)
+        measure_bandwidth(3)
+    assert measure_matmul_gflops(1, min_run_time=0.01) > 0  # the smallest sizes are allowed
+
+
+def test_measure_limits_uses_the_measurements(monkeypatch):
+    seen = []
+
+    def gflops(n, *, device, min_run_time):
+        seen.append(("matmul", n, device, min_run_time))
+        return 150.0
+
+    def gbs(nbytes, *, device, min_run_time):
+        seen.append(("copy", nbytes, device, min_run_time))
+        return 12.0
+
+    monkeypatch.setattr(hardware, "measure_matmul_gflops", gflops)
+    monkeypatch.setattr(hardware, "measure_bandwidth", gbs)
+    monkeypatch.setattr(hardware, "estimate_cpu_peak", lambda: PeakEstimate(2, 2.5, 64, "AVX512", "given"))
+    limits = measure_limits(n=64, nbytes=2**21, min_run_time=0.1)
+    cpu = torch.device("cpu")
+    assert seen == [("matmul", 64, cpu, 0.1), ("copy", 2**21, cpu, 0.1)]
+    assert (limits.device, limits.matmul_gflops, limits.matmul_size) == ("cpu", 150.0, 64)
+    assert (limits.bandwidth_gbs, limits.copy_bytes) == (12.0, 2**21)
+    assert limits.peak_fraction == pytest.approx(150 / 320)
+    assert str(limits).splitlines()[:4] == [
+        "fp32 matmul (64 x 64): 150 GFLOP/s",
+        "memory bandwidth (copy of 2 MiB): 12 GB/s",
+        "peak fp32 estimate: 320 GFLOP/s = 2 cores x 2.50 GHz x 64 FLOP/cycle "
+        "(AVX512, two FMA units assumed; given)",
+        "matmul reaches 0.47x the estimated peak",
+    ]
+    # On an accelerator the peak is not estimated (the tensors are never made here).
+    assert measure_limits("meta", n=64).peak is None
 
 
 def test_measure_limits_and_compare():
@@ -84,5 +168,18 @@ def test_compare_against_limits():
     assert limits.compare(gbs=5.0) == "5 GB/s is 0.25x the copy bandwidth of this machine."
     with pytest.raises(ValueError, match="Give an achieved"):
         limits.compare()
+    assert limits.compare(50.0, 40.0) == (
+        "50 GFLOP/s is 0.25x the matmul rate and 0.16x the estimated peak; "
+        "40 GB/s is 2.00x the copy bandwidth of this machine."
+    )
     no_peak = MachineLimits("cuda:0", 200.0, 2048, 20.0, 2**28, None, "test")
     assert no_peak.peak_fraction is None and "not estimated" in str(no_peak)
+    assert no_peak.compare(100.0) == "100 GFLOP/s is 0.50x the matmul rate of this machine."
+    unknown = MachineLimits("cpu", 200.0, 2048, 20.0, 2**28, PeakEstimate(2, None, 64, "AVX512", "no clock"), "test")
+    assert unknown.peak_fraction is None
+    assert unknown.compare(100.0) == "100 GFLOP/s is 0.50x the matmul rate of this machine."
+    assert str(unknown).splitlines()[2:] == [
+        "peak fp32 estimate: unknown: no clock",
+        "matmul vs peak: unknown, only measured numbers are reported",
+        "Measured on: test",
+    ]
