@@ -1,21 +1,122 @@
-"""`python -m companion.doctor` prints a useful report."""
+"""`python -m companion.doctor` prints a useful report and the right advice."""
 
 import subprocess
 import sys
+from types import SimpleNamespace
 
+import pytest
 import torch
+import torch.distributed as dist
 
+from companion import devices, doctor
 from companion.doctor import collect_report
 
 
-def test_report_matches_what_torch_sees():
+@pytest.fixture
+def machine(monkeypatch):
+    """A machine described by the test: CPU, cores, GPUs and backends are stubbed.
+
+    Returns a function that sets the number of GPUs and whether nccl exists.
+    """
+    monkeypatch.setattr(doctor, "cpu_name", lambda: "Test CPU 9000")
+    monkeypatch.setattr(doctor, "cpu_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(name=f"Fake GPU {i}", total_memory=24 * 2**30))
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 90100)
+    monkeypatch.setattr(dist, "is_gloo_available", lambda: True)
+    monkeypatch.setattr(dist, "is_mpi_available", lambda: False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+    def configure(gpus: int, nccl: bool) -> None:
+        monkeypatch.setattr(doctor, "num_gpus", lambda: gpus)
+        monkeypatch.setattr(devices, "num_gpus", lambda: gpus)  # what get_backend() asks
+        monkeypatch.setattr(dist, "is_nccl_available", lambda: nccl)
+
+    return configure
+
+
+def test_report_on_a_cpu_only_machine(machine):
+    machine(gpus=0, nccl=False)
     report = collect_report()
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    assert report["GPUs"] == str(gpus)
+    assert list(report)[:8] == [
+        "Python", "Platform", "torch", "torchvision", "d2l", "CUDA (built with)", "cuDNN", "GPUs",
+    ]  # fmt: skip
     assert report["torch"] == torch.__version__
-    assert report["Intra-op threads"] == str(torch.get_num_threads())
-    assert "gloo" in report["Distributed backends"]
-    assert report["Default backend here"] == ("nccl" if gpus else "gloo")
+    assert report["d2l"] == "1.0.3"  # the version the Makefile pins
+    assert (report["cuDNN"], report["GPUs"]) == ("n/a", "0")
+    assert not any(key.startswith("  cuda:") for key in report)
+    assert report["CUDA_VISIBLE_DEVICES"] == "(not set)"
+    assert report["OMP_NUM_THREADS"] == "1"
+    assert report["CPU"] == "Test CPU 9000 (2 cores available)"
+    assert report["Intra-op threads"] == "1"  # set by tests/conftest.py
+    assert report["Distributed backends"] == "gloo"
+    assert report["Default backend here"] == "gloo"
+
+
+def test_report_lists_each_gpu(machine, monkeypatch):
+    machine(gpus=2, nccl=True)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    report = collect_report()
+    assert (report["cuDNN"], report["GPUs"]) == ("90100", "2")
+    assert report["  cuda:0"] == "Fake GPU 0, 24.0 GiB"
+    assert report["  cuda:1"] == "Fake GPU 1, 24.0 GiB"
+    assert list(report).index("  cuda:1") == list(report).index("GPUs") + 2
+    assert report["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert report["Distributed backends"] == "gloo, nccl"
+    assert report["Default backend here"] == "nccl"
+
+
+def test_version_of_a_missing_package():
+    assert doctor._version("no-such-package-in-this-course") == "not installed"
+
+
+NO_GPU = (
+    "No GPU: every chapter runs on the CPU; multi-device chapters use CPU replicas "
+    "or gloo processes, which show the algorithms but not speed-ups."
+)
+
+
+@pytest.mark.parametrize(
+    "gpus, cores, advice",
+    [
+        ("0", 8, [NO_GPU]),
+        (
+            "0",
+            2,
+            [
+                NO_GPU,
+                "Only 2 CPU cores: run at most 2 processes at once, one thread each "
+                "(torchrun sets OMP_NUM_THREADS=1).",
+            ],
+        ),
+        ("1", 4, ["One GPU: chapters run on cuda:0; multi-device chapters fall back to processes on it."]),
+        (
+            "3",
+            3,
+            [
+                "3 GPUs: multi-device chapters use real GPUs and nccl.",
+                "Only 3 CPU cores: run at most 3 processes at once, one thread each "
+                "(torchrun sets OMP_NUM_THREADS=1).",
+            ],
+        ),
+    ],
+)
+def test_advice_for_each_machine(monkeypatch, gpus, cores, advice):
+    monkeypatch.setattr(doctor, "cpu_count", lambda: cores)
+    assert doctor._advice({"GPUs": gpus}) == advice
+
+
+def test_main_prints_aligned_report_then_advice(monkeypatch, capsys):
+    monkeypatch.setattr(doctor, "collect_report", lambda: {"torch": "2.0", "GPUs": "1", "Long name": "x"})
+    monkeypatch.setattr(doctor, "cpu_count", lambda: 16)
+    doctor.main()
+    assert capsys.readouterr().out.splitlines() == [
+        "companion doctor: what this machine offers the course",
+        "  torch      2.0",
+        "  GPUs       1",
+        "  Long name  x",
+        "- One GPU: chapters run on cuda:0; multi-device chapters fall back to processes on it.",
+    ]
 
 
 def test_doctor_command_prints_report_and_advice():
