@@ -47,20 +47,58 @@ def test_try_all_gpus_refuses_zero(no_gpus):
         try_all_gpus(0)
 
 
-def test_backend_nccl_for_cuda_gloo_for_cpu(no_gpus):
+@pytest.mark.parametrize("nccl", [True, False], ids=["with-nccl", "without-nccl"])
+def test_backend_nccl_for_cuda_gloo_for_cpu(monkeypatch, no_gpus, nccl):
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: nccl)
     assert get_backend("cpu") == "gloo"
-    assert get_backend() == "gloo"
-    expected = "nccl" if torch.distributed.is_nccl_available() else "gloo"
-    assert get_backend("cuda") == expected
+    assert get_backend() == "gloo"  # no GPUs here
+    assert get_backend("cuda") == ("nccl" if nccl else "gloo")
 
 
-def test_describe_hardware_names_cores_and_torch():
-    text = describe_hardware()
-    assert f"{devices.cpu_count()} cores" in text
-    assert torch.__version__.split("+")[0] in text
+def test_backend_for_this_machine_with_gpus(monkeypatch, two_gpus):
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    assert get_backend() == "nccl"
+    assert get_backend("cpu") == "gloo"  # CPU tensors need gloo even on a GPU machine
+    monkeypatch.setattr(torch.distributed, "is_available", lambda: False)
+    assert get_backend("cuda") == "gloo"
 
 
-def test_real_machine_is_consistent():
-    # Whatever this machine is, try_all_gpus() matches what torch reports.
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    assert len(try_all_gpus()) == max(gpus, 1)
+@pytest.mark.parametrize(
+    "available, count, expected", [(False, 3, 0), (True, 3, 3), (True, 0, 0)], ids=["no-cuda", "3-gpus", "none"]
+)
+def test_num_gpus_asks_cuda_only_when_it_is_available(monkeypatch, available, count, expected):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    assert devices.num_gpus() == expected
+
+
+def test_cpu_count_is_the_cores_this_process_may_use(monkeypatch):
+    monkeypatch.setattr(devices.os, "sched_getaffinity", lambda pid: {0, 5, 7}, raising=False)
+    assert devices.cpu_count() == 3
+    monkeypatch.delattr(devices.os, "sched_getaffinity", raising=False)  # macOS, Windows
+    monkeypatch.setattr(devices.os, "cpu_count", lambda: 12)
+    assert devices.cpu_count() == 12
+    monkeypatch.setattr(devices.os, "cpu_count", lambda: None)
+    assert devices.cpu_count() == 1
+
+
+def test_describe_hardware_without_gpus(monkeypatch, no_gpus):
+    monkeypatch.setattr(devices, "cpu_name", lambda: "Test CPU 9000")
+    monkeypatch.setattr(devices, "cpu_count", lambda: 2)
+    monkeypatch.setattr(torch, "__version__", "2.9.1+cpu")
+    # tests/conftest.py runs every test with one thread
+    assert describe_hardware().startswith("Test CPU 9000, 2 cores, no GPU, torch 2.9.1, 1 thread")
+
+
+def test_describe_hardware_names_each_kind_of_gpu(monkeypatch):
+    monkeypatch.setattr(devices, "num_gpus", lambda: 3)
+    monkeypatch.setattr(devices, "cpu_name", lambda: "Test CPU 9000")
+    monkeypatch.setattr(devices, "cpu_count", lambda: 64)
+    names = {0: "B200", 1: "A100", 2: "B200"}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: names[i])
+    assert describe_hardware().startswith("Test CPU 9000, 64 cores, 3 x GPU (A100, B200), torch ")
+
+
+def test_cpu_name_is_a_real_name():
+    name = devices.cpu_name()
+    assert name and name == name.strip() and "model name" not in name
