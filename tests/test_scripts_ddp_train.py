@@ -192,18 +192,82 @@ def test_checkpoints_are_atomic_pruned_and_checked(tmp_path):
     with pytest.raises(ddp_train.UsageError, match="was written with lr=0.05, not 0.1;"):
         ddp_train.load_checkpoint(newest, torch.device("cpu"), {**config, "lr": 0.1})
     torch.save({"model": {}}, tmp_path / "step-000040.pt")  # readable, but not a checkpoint of this script
-    with pytest.raises(ddp_train.UsageError, match="step-000040.pt cannot be read"):
+    with pytest.raises(ddp_train.UsageError, match="step-000040.pt is not one of this script's"):
         ddp_train.load_checkpoint(tmp_path / "step-000040.pt", torch.device("cpu"), config)
 
 
-@pytest.mark.parametrize("argv", [["--steps", "0"], ["--lr", "fast"], ["--fail-at-step", "3"]])
-def test_bad_arguments_get_one_line(argv, capsys):
+def test_pruning_keeps_the_highest_steps_not_the_last_names(tmp_path):
     ddp_train = load_script_module()
+    for step in (999_999, 1_000_000):  # as text, "step-1000000.pt" sorts before "step-999999.pt"
+        ddp_train.save_checkpoint(tmp_path, {"step": step}, keep=1)
+    assert [p.name for p in tmp_path.iterdir()] == ["step-1000000.pt"]
+
+
+class Evil:
+    def __reduce__(self):
+        return (print, ("this would run when loaded",))
+
+
+def test_each_way_a_checkpoint_cannot_load_gets_its_own_sentence(tmp_path, monkeypatch):
+    """Only a damaged file is called corrupt; a missing, refused or unreadable one is never 'delete it'."""
+    ddp_train = load_script_module()
+    cpu = torch.device("cpu")
+    cases = {"missing.pt": None, "code.pt": {"model": Evil()}, "truncated.pt": b"PK\x03\x04 half a zip",
+             "empty.pt": b"", "garbage.pt": b"hello world"}  # fmt: skip
+    for name, content in cases.items():
+        if isinstance(content, bytes):
+            (tmp_path / name).write_bytes(content)
+        elif content is not None:
+            torch.save(content, tmp_path / name)
+    said = {}
+    for name in cases:
+        with pytest.raises(ddp_train.UsageError) as info:
+            ddp_train.read_checkpoint(tmp_path / name, cpu)
+        said[name] = str(info.value)
+    assert "is missing on" in said["missing.pt"] and "file system that every node sees" in said["missing.pt"]
+    assert "run as code, so it was refused" in said["code.pt"]
+    for name in ("truncated.pt", "empty.pt", "garbage.pt"):
+        assert said[name].endswith("is truncated or corrupt; delete it to resume from an older one."), said[name]
+    for name in ("missing.pt", "code.pt"):
+        assert "delete" not in said[name]
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 GB")
+
+    monkeypatch.setattr(ddp_train.torch, "load", out_of_memory)
+    with pytest.raises(ddp_train.UsageError, match="the file itself may be fine, so keep it") as info:
+        ddp_train.read_checkpoint(tmp_path / "empty.pt", cpu)
+    assert "delete" not in str(info.value)
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--steps", "0"], "--steps must be at least 1, not 0."),
+    (["--samples", "0"], "--samples must be at least 1, not 0."),
+    (["--checkpoint-every", "0"], "--checkpoint-every must be at least 1, not 0."),
+    (["--keep-checkpoints", "0"], "--keep-checkpoints must be at least 1, not 0."),
+    (["--log-every", "-1"], "--log-every must be at least 1, not -1."),
+    (["--epochs", "0"], "--epochs must be positive, not 0.0."),
+    (["--spawn", "-1"], "--spawn must be 0 or more, not -1."),
+    (["--timeout", "0"], "--timeout must be positive, not 0.0."),
+    (["--fail-at-step", "3"], "--fail-at-step needs --checkpoint-dir for its marker file."),
+    (["--lr", "fast"], "argument --lr: invalid float value: 'fast'"),
+])  # fmt: skip
+def test_bad_arguments_get_one_line(argv, expected, capsys, monkeypatch):
+    ddp_train = load_script_module()
+    for name in ("RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
     with pytest.raises(SystemExit) as exit_info:
         ddp_train.parse_args(argv)
     assert exit_info.value.code == 2
-    lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("ddp_train.py: error:"), lines
+    assert capsys.readouterr().err.splitlines() == [f"ddp_train.py: error: {expected}"]
+    monkeypatch.setenv("RANK", "1")  # the other ranks exit too, silently
+    with pytest.raises(SystemExit) as exit_info:
+        ddp_train.parse_args(argv)
+    assert exit_info.value.code == 2 and capsys.readouterr().err == ""
+
+
+def test_default_timeout_is_pytorchs_ten_minutes():
+    assert load_script_module().parse_args([]).timeout == 600
 
 
 # ---------------------------------------------------------------- parity
@@ -211,10 +275,38 @@ def test_bad_arguments_get_one_line(argv, capsys):
 
 def test_one_process_learns(one_process):
     assert one_process["world_size"] == 1 and one_process["backend"] in ("gloo", "nccl")
+    assert one_process["hosts"] == 1
     assert len(one_process["losses"]) == 24
     assert one_process["losses"][-1] < one_process["losses"][0] / 2
-    assert one_process["test_accuracy"] > 0.8
+    assert one_process["test_accuracy"] > 0.8 and 0.8 < one_process["train_accuracy"] <= 1
     assert re.fullmatch(r"[0-9a-f]{16}", one_process["param_checksum"])
+    params = final_params(one_process)
+    assert one_process["param_sum"] == pytest.approx(sum(t.double().sum().item() for t in params.values()), abs=1e-9)
+    # 24 steps of a 32-sample global batch in train_seconds
+    assert one_process["samples_per_second"] == pytest.approx(24 * 32 / one_process["train_seconds"], rel=1e-6)
+
+
+def test_the_log_gathers_losses_every_n_steps_and_counts_epochs_from_1(tmp_path):
+    """--epochs 1.5 with 8 steps per epoch is 12 steps; log lines every 8 steps and at the end."""
+    args = [arg for arg in TINY if arg not in ("--steps", "24")]
+    results, output = train([sys.executable, SCRIPT, *args, "--epochs", "1.5"], tmp_path)
+    assert len(results["losses"]) == 12 and results["epochs"] == 1.5 and results["steps"] == 12
+    logged = re.findall(r"step +(\d+)/12  epoch (\d+)  loss ([\d.]+)", output)
+    assert [(int(s), int(e)) for s, e, _ in logged] == [(8, 1), (12, 2)]
+    assert float(logged[-1][2]) == pytest.approx(results["losses"][-1], abs=1e-4)
+
+
+def test_resuming_with_changed_settings_is_refused(one_process, tmp_path):
+    import shutil
+
+    shutil.copytree(Path(one_process["checkpoint"]).parent, tmp_path / "ckpt")
+    code, stdout, stderr = run([sys.executable, SCRIPT, *TINY, "--lr", "0.1", "--checkpoint-dir", tmp_path / "ckpt"])
+    check_one_sentence(code, stderr, "was written with lr=0.05, not 0.1; use the same settings or another")
+    assert code == 2 and sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-000016.pt", "step-000024.pt"]
+    # More steps with the same settings continue the run.
+    results, output = train([sys.executable, SCRIPT, *TINY[2:], "--steps", "32"], tmp_path)
+    assert "resuming from checkpoint step-000024.pt (step 24)" in output
+    assert results["start_step"] == 24 and results["losses"][:24] == one_process["losses"]
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "srun", "mp.spawn"])
@@ -320,7 +412,29 @@ def test_busy_port():
 def test_corrupt_checkpoint(tmp_path):
     (tmp_path / "step-000010.pt").write_bytes(b"PK\x03\x04 this is not a whole checkpoint")
     code, _, stderr = run([sys.executable, SCRIPT, "--steps", "1", "--checkpoint-dir", tmp_path])
-    check_one_sentence(code, stderr, "step-000010.pt cannot be read")
+    check_one_sentence(code, stderr, "step-000010.pt is truncated or corrupt; delete it")
+
+
+def test_unreachable_rendezvous_is_one_sentence_within_the_timeout():
+    """Rank 1, the first process of node 1 under srun, finds nobody at MASTER_ADDR:MASTER_PORT."""
+    port = str(free_port())
+    env = {"SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_NTASKS": "2", "SLURM_NNODES": "2",
+           "SLURM_NODEID": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}  # fmt: skip
+    start_time = time.monotonic()
+    code, _, stderr = run([sys.executable, SCRIPT, "--timeout", "3"], env)
+    assert time.monotonic() - start_time < 60  # not the default 10 minutes
+    assert code == 2
+    last = stderr.strip().splitlines()[-1]
+    assert last == (f"ddp_train.py: error: cannot reach the rendezvous at 127.0.0.1:{port} within 3 s; "
+                    "check MASTER_ADDR and MASTER_PORT, and that rank 0 is running.")  # fmt: skip
+    assert "Traceback" not in stderr
+
+
+def test_a_missing_rank_is_one_sentence_from_rank_0():
+    env = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "2", "SLURM_NNODES": "1",
+           "MASTER_PORT": str(free_port())}  # fmt: skip
+    code, _, stderr = run([sys.executable, SCRIPT, "--timeout", "2"], env)
+    check_one_sentence(code, stderr, "only 1 of 2 processes reached the rendezvous at 127.0.0.1:")
 
 
 # ---------------------------------------------------------------- SLURM and the book
@@ -352,23 +466,70 @@ def test_every_command_on_the_cluster_page_names_an_existing_file():
         assert names and all((ROOT / n).is_file() for n in names), block
 
 
-def test_sbatch_file_trains_with_stand_ins_for_slurm(tmp_path):
-    """Run the batch file with bash: ``srun`` runs its command once, ``scontrol`` names this host."""
+STAND_IN_SRUN = r"""#!/usr/bin/env python3
+# A stand-in for srun: it checks what a real srun needs from the batch file, records it, then runs the command.
+import json, os, sys
+args = sys.argv[1:]
+options = []
+while args and args[0].startswith("-"):
+    options.append(args.pop(0))
+problems = []
+if "--kill-on-bad-exit=1" not in options and "-K" not in options:
+    problems.append("no --kill-on-bad-exit: a failed node leaves the others waiting")
+cpus = [o.split("=", 1)[1] for o in options if o.startswith("--cpus-per-task=")]
+if cpus != [os.environ.get("SLURM_CPUS_PER_TASK")]:
+    problems.append(f"--cpus-per-task {cpus} is not the job's {os.environ.get('SLURM_CPUS_PER_TASK')}")
+with open(os.environ["SRUN_RECORD"], "w") as f:
+    json.dump({"options": options, "command": args, "problems": problems,
+               "env": {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}}, f)
+if problems:
+    sys.exit("srun stand-in: " + "; ".join(problems))
+if os.environ.get("SRUN_RUN") == "1":
+    os.execvp(args[0], args)
+"""
+
+
+def run_sbatch(tmp_path, env: dict, args=()) -> tuple[int, str, dict]:
+    """Run the batch file with bash and stand-ins for ``srun`` and ``scontrol`` on PATH."""
+    import json
+
     assert subprocess.run(["bash", "-n", SBATCH]).returncode == 0
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "srun").write_text('#!/bin/sh\nexec "$@"\n')
-    (bin_dir / "scontrol").write_text("#!/bin/sh\necho 127.0.0.1\n")
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "srun").write_text(STAND_IN_SRUN.replace("/usr/bin/env python3", sys.executable))
+    # scontrol show hostnames expands a node list: the fake knows two forms.
+    (bin_dir / "scontrol").write_text('#!/bin/sh\ncase "$3" in\n  "gpu[07-08]") printf "gpu07\\ngpu08\\n";;\n'
+                                      '  *) echo "$3";;\nesac\n')  # fmt: skip
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
-    env = {"PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
-           "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "localhost", "SLURM_NNODES": "1",
-           "SLURM_SUBMIT_DIR": str(ROOT), "SLURM_GPUS_ON_NODE": "2", "MASTER_PORT": str(free_port())}
-    code, stdout, stderr = run(["bash", SBATCH, *TINY, "--results", tmp_path / "results.json",
-                                "--checkpoint-dir", tmp_path / "ckpt", "--backend", "gloo"], env)  # fmt: skip
-    assert code == 0, stdout + stderr
-    assert "[rank 0] 2 process(es) on 1 host(s)" in stdout
+    full_env = {"PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+                "SLURM_SUBMIT_DIR": str(ROOT), "SLURM_CPUS_PER_TASK": "16",
+                "SRUN_RECORD": str(tmp_path / "srun.json"), **env}  # fmt: skip
+    code, stdout, stderr = run(["bash", SBATCH, *args], full_env)
+    record = json.loads((tmp_path / "srun.json").read_text()) if (tmp_path / "srun.json").is_file() else {}
+    return code, stdout + stderr, record
+
+
+def test_sbatch_file_gives_srun_what_a_real_one_needs_on_two_nodes(tmp_path):
+    code, output, record = run_sbatch(tmp_path, {"SLURM_JOB_ID": "123456", "SLURM_JOB_NODELIST": "gpu[07-08]",
+                                                 "SLURM_NNODES": "2", "SLURM_GPUS_ON_NODE": "4"})  # fmt: skip
+    assert code == 0 and record["problems"] == [], output
+    port = 20000 + 123456 % 20000  # derived from the job id: two jobs on a node differ
+    assert record["env"] == {"MASTER_ADDR": "gpu07", "MASTER_PORT": str(port)}
+    command = " ".join(record["command"])
+    assert f"--rdzv-endpoint=gpu07:{port}" in command and "--nnodes=2" in command
+    assert "--nproc-per-node=4" in command and "--rdzv-id=123456" in command
+
+
+def test_sbatch_file_trains_with_stand_ins_for_slurm(tmp_path):
+    """Run the batch file with bash: ``srun`` checks its options and runs the command once."""
+    env = {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "127.0.0.1", "SLURM_NNODES": "1", "SLURM_GPUS_ON_NODE": "2",
+           "MASTER_PORT": str(free_port()), "SRUN_RUN": "1"}  # fmt: skip
+    code, output, record = run_sbatch(tmp_path, env, [*TINY, "--results", tmp_path / "results.json",
+                                                      "--checkpoint-dir", tmp_path / "ckpt", "--backend", "gloo"])
+    assert code == 0 and record["problems"] == [], output
+    assert "[rank 0] 2 process(es) on 1 host(s)" in output
     assert (tmp_path / "results.json").is_file()
-    shown = next(line for line in stdout.splitlines() if line.startswith("Running on 1 node(s) x 2 process(es):"))
+    shown = next(line for line in output.splitlines() if line.startswith("Running on 1 node(s) x 2 process(es):"))
     missing = [n for n in named_files(shown) if not (ROOT / n).is_file()]
     assert "companion/scripts/ddp_train.py" in shown and not missing
