@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -143,11 +144,19 @@ def test_unstack_and_stack_round_trip():
         init_ensemble(0, SGD())
 
 
-def test_predict_grid_shape_and_range():
+def test_predict_grid_is_each_members_probability_of_class_1():
     template, params, _ = init_ensemble(3, SGD())
-    probs = predict_grid(template, params, torch.linspace(-1, 1, 5), torch.linspace(-1, 1, 4))
-    assert probs.shape == (3, 4, 5)
-    assert ((probs >= 0) & (probs <= 1)).all()
+    # Different ranges and lengths along x and y: a transposed grid cannot pass.
+    xs, ys = torch.linspace(-1, 1, 5), torch.linspace(-0.5, 2, 4)
+    probs = predict_grid(template, params, xs, ys)
+    assert probs.shape == (3, 4, 5)  # (models, rows = y, columns = x)
+    for m, member in enumerate(unstack(params, 3)):
+        for i, y in enumerate(ys):
+            for j, x in enumerate(xs):
+                logits = functional_call(template, member, (torch.stack([x, y])[None],))
+                expected = torch.softmax(logits, dim=1)[0, 1]
+                torch.testing.assert_close(probs[m, i, j], expected)
+    assert not torch.allclose(probs[0], probs[1])  # members differ
 
 
 @pytest.mark.timeout(300)
@@ -170,15 +179,27 @@ def test_compiled_vmap_step_equals_eager(spirals):
 
 @pytest.mark.timeout(300)
 def test_benchmark_ensemble_reports_every_count():
-    rows = benchmark_ensemble([2], min_run_time=0.01)
-    (row,) = rows
-    assert row["models"] == 2
-    assert row["compile"] > 0
-    assert row["compiled speed-up"] == pytest.approx(row["loop"].median / row["compiled"].median)
-    table = format_speed_table(rows)
-    assert "compiled vs loop" in table and "Measured on:" in table
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    # Dynamo's limit of compiled versions is lifted to one per model count.
+    with torch._dynamo.config.patch(recompile_limit=1):
+        rows = benchmark_ensemble([1, 3], min_run_time=0.01)
+    if not os.environ.get("MUTANT_UNDER_TEST"):  # `make mutation` runs it eagerly
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 2
+    assert [row["models"] for row in rows] == [1, 3]
+    for n, row in zip([1, 3], rows):
+        for key, name in [("module loop", "module loop"), ("loop", "loop"), ("vmap", "vmap"), ("compiled", "compiled vmap")]:
+            assert row[key].label == f"{name}, {n} models"
+        assert row["compile"] > 0
+    lines = format_speed_table(rows).splitlines()
+    assert lines[1].split()[:3] == ["models", "module", "loop"]
+    assert [line.split()[0] for line in lines[3:5]] == ["1", "3"]
+    speed_up = rows[1]["module loop"].median / rows[1]["compiled"].median
+    assert f"{speed_up:.1f}" in lines[4]
+    assert len(lines) == 6 and lines[-1].startswith("Measured on:")
     with pytest.raises(ValueError, match="model_counts"):
         benchmark_ensemble([0])
+    with pytest.raises(ValueError, match="model_counts"):
+        benchmark_ensemble([])
 
 
 def test_benchmark_script_rejects_bad_input():
