@@ -1,8 +1,12 @@
 """companion.data: the offline data sets, Fashion-MNIST's failure modes, and the fallback."""
 
+import contextlib
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 from companion import data
 from companion.data import (
@@ -72,12 +76,10 @@ def test_fallback_says_which_data_set(tmp_path, monkeypatch, capsys):
     assert len(result.train) == 100 and len(result.test) == 50
 
 
-def test_local_fashion_mnist_is_used(tmp_path, capsys):
-    # Write a tiny Fashion-MNIST in its raw IDX format: 3 training, 2 test images.
-    import numpy as np
-
-    raw = tmp_path / "FashionMNIST" / "raw"
-    raw.mkdir(parents=True)
+def write_fashion_mnist(root):
+    """Write a tiny Fashion-MNIST in its raw IDX format: 3 training and 2 test images."""
+    raw = root / "FashionMNIST" / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
 
     def write_idx(name, array):
         header = b"\x00\x00\x08" + bytes([array.ndim]) + b"".join(int(d).to_bytes(4, "big") for d in array.shape)
@@ -89,7 +91,128 @@ def test_local_fashion_mnist_is_used(tmp_path, capsys):
     write_idx("t10k-images-idx3-ubyte", rng.integers(0, 256, (2, 28, 28)))
     write_idx("t10k-labels-idx1-ubyte", np.array([4, 5]))
 
+
+FASHION_LINE = "Data set: Fashion-MNIST: 3 training and 2 test images, 10 classes, shape (1, 28, 28)"
+
+
+def test_local_fashion_mnist_is_used(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(data, "_online", lambda *a, **k: pytest.fail("files on disk need no network"))
+    write_fashion_mnist(tmp_path)
     result = load_image_data(tmp_path, download=False)
-    assert "Data set: Fashion-MNIST" in capsys.readouterr().out
+    assert capsys.readouterr().out == f"{FASHION_LINE} (found on disk).\n"
     assert result.train.tensors[0].shape == (3, 1, 28, 28)
     assert result.test.tensors[1].tolist() == [4, 5]
+    images = result.train.tensors[0]
+    assert images.dtype == torch.float32 and images.max() <= 1 and images.max() > 0.9  # bytes / 255
+    assert result.classes[9] == "ankle boot"
+    one = load_image_data(tmp_path, download=False, max_train=1, max_test=5)
+    assert (len(one.train), len(one.test)) == (1, 2)
+
+
+@pytest.fixture
+def network(monkeypatch):
+    """No network in tests: stub the reachability check and torchvision's downloader.
+
+    The "download" writes the tiny data set; ``calls`` records what was asked.
+    """
+    from torchvision import datasets
+
+    calls = {"online": [], "download": 0}
+
+    def online(*args, **kwargs):
+        calls["online"].append(args)
+        return True
+
+    def download(dataset):
+        calls["download"] += 1
+        write_fashion_mnist(Path(dataset.root))
+
+    monkeypatch.setattr(data, "_online", online)
+    monkeypatch.setattr(datasets.FashionMNIST, "download", download)
+    monkeypatch.delenv("COURSE_OFFLINE", raising=False)
+    return calls
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    """A small stand-in for the digits (scikit-learn's take a second to load)."""
+    fake = data.ImageData(
+        "scikit-learn digits (offline stand-in)",
+        TensorDataset(torch.zeros(4, 1, 28, 28), torch.zeros(4, dtype=torch.long)),
+        TensorDataset(torch.zeros(2, 1, 28, 28), torch.zeros(2, dtype=torch.long)),
+        [str(d) for d in range(10)],
+    )
+    monkeypatch.setattr(data, "load_digits", lambda: fake)
+    return fake
+
+
+@pytest.mark.parametrize("switch", [None, "", "0"], ids=["unset", "empty", "zero"])
+def test_download_when_online(tmp_path, network, monkeypatch, capsys, switch):
+    if switch is not None:
+        monkeypatch.setenv("COURSE_OFFLINE", switch)
+    result = load_image_data(tmp_path)
+    assert capsys.readouterr().out == f"{FASHION_LINE} (downloaded).\n"
+    assert network["online"] == [()] and network["download"] == 2  # training and test set
+    assert (tmp_path / "FashionMNIST" / "raw" / "t10k-labels-idx1-ubyte").exists()
+    assert result.test.tensors[1].tolist() == [4, 5]
+
+
+@pytest.mark.parametrize("switch", ["1", "yes"])
+def test_offline_switch_never_downloads(tmp_path, network, stand_in, monkeypatch, capsys, switch):
+    monkeypatch.setenv("COURSE_OFFLINE", switch)
+    result = load_image_data(tmp_path)
+    assert result is stand_in
+    assert network == {"online": [], "download": 0}  # not even a connection attempt
+    assert capsys.readouterr().out == (
+        "Data set: scikit-learn digits (offline stand-in): 4 training and 2 test images, 10 classes, "
+        "shape (1, 28, 28) (Fashion-MNIST is not on disk and could not be downloaded).\n"
+    )
+
+
+def test_download_not_allowed(tmp_path, network, stand_in):
+    assert load_image_data(tmp_path, download=False) is stand_in
+    assert network == {"online": [], "download": 0}
+
+
+def test_unreachable_host_means_no_download(tmp_path, network, stand_in, monkeypatch):
+    monkeypatch.setattr(data, "_online", lambda *a, **k: False)
+    assert load_image_data(tmp_path) is stand_in
+    assert network["download"] == 0
+
+
+def test_failed_download_is_one_sentence_then_the_fallback(tmp_path, network, stand_in, monkeypatch, capsys):
+    from torchvision import datasets
+
+    def broken(dataset):
+        raise RuntimeError("Error downloading train-images-idx3-ubyte.gz: every mirror failed")
+
+    monkeypatch.setattr(datasets.FashionMNIST, "download", broken)
+    with pytest.raises(DataUnavailableError, match="and the download failed") as info:
+        load_fashion_mnist(tmp_path, download=True)
+    assert isinstance(info.value.__cause__, RuntimeError) and "\n" not in str(info.value)
+    assert f"{tmp_path}/FashionMNIST/raw" in str(info.value)
+    assert load_image_data(tmp_path) is stand_in
+    assert capsys.readouterr().out.endswith("(Fashion-MNIST is not on disk and could not be downloaded).\n")
+
+
+@pytest.mark.parametrize("reachable", [True, False])
+def test_online_tries_one_connection(monkeypatch, reachable):
+    attempts = []
+
+    def create_connection(address, timeout):
+        attempts.append((address, timeout))
+        if not reachable:
+            raise OSError("Network is unreachable")
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(data.socket, "create_connection", create_connection)
+    assert data._online() is reachable
+    assert attempts == [(data.FASHION_MNIST_HOST, 2.0)]
+
+
+def test_default_data_root(monkeypatch, tmp_path):
+    monkeypatch.setenv("COURSE_DATA", str(tmp_path / "course"))
+    assert data.default_data_root() == tmp_path / "course"
+    monkeypatch.delenv("COURSE_DATA")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert data.default_data_root() == tmp_path / "data"
