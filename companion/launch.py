@@ -92,9 +92,13 @@ def launch(
             JSON the script writes there; with False, return ``{}``.
 
     Raises:
+        ValueError: ``nproc`` is not a positive whole number or None.
         LaunchTimeout: the script ran longer than ``timeout``.
         LaunchError: the script exited with an error or wrote no results.
     """
+    if nproc is not None and (isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1):
+        raise ValueError(f"nproc must be a whole number of processes, at least 1, or None for plain python; "
+                         f"not {nproc!r}.")
     path = Path(script) if os.sep in str(script) or Path(script).is_file() else script_path(str(script))
     workers = nproc or 1
     child_env = {

@@ -14,6 +14,7 @@ from jupyter_client.manager import start_new_kernel
 from companion.launch import LaunchError, LaunchTimeout, launch, script_path
 
 HANG = str(Path(__file__).parent / "scripts" / "hang.py")
+ECHO = str(Path(__file__).parent / "scripts" / "echo_env.py")
 
 
 def recorded_pids(pid_dir: Path) -> set[int]:
@@ -42,6 +43,33 @@ def test_plain_python_runs_one_process():
 def test_failing_script_gives_one_sentence(tmp_path):
     with pytest.raises(LaunchError, match="exit code 3; its last line: hang.py: something went wrong"):
         launch(HANG, ["--pid-dir", str(tmp_path), "--fail"], nproc=None, timeout=60)
+
+
+def test_results_env_and_threads_reach_the_script(capsys):
+    out = launch(ECHO, ["a", "b"], nproc=None, timeout=60, env={"COURSE_TEST_VALUE": "42"})
+    assert out["argv"] == ["a", "b"]  # --results was appended after the script's own arguments
+    assert out["env"]["COURSE_TEST_VALUE"] == "42" and out["env"]["PYTHONUNBUFFERED"] == "1"
+    assert int(out["env"]["OMP_NUM_THREADS"]) >= 1
+    out = launch(ECHO, nproc=None, timeout=60, env={"OMP_NUM_THREADS": "7"})  # env= wins over the default
+    assert out["env"]["OMP_NUM_THREADS"] == "7"
+    assert "echo_env: 0 extra argument(s)" in capsys.readouterr().out  # the output streams through
+
+
+def test_results_false_passes_no_results_file_and_returns_nothing(capsys):
+    assert launch(ECHO, ["x"], nproc=None, timeout=60, results=False) == {}
+    assert "echo_env: 1 extra argument(s)" in capsys.readouterr().out  # it ran, without --results
+
+
+def test_a_script_that_writes_no_results_is_an_error():
+    with pytest.raises(LaunchError, match="echo_env.py finished but wrote no results file."):
+        launch(ECHO, ["--skip-results"], nproc=None, timeout=60)
+
+
+@pytest.mark.parametrize("nproc", [0, -1, 1.5, True])
+def test_a_bad_process_count_is_one_sentence(nproc):
+    with pytest.raises(ValueError, match=f"nproc must be a whole number of processes, at least 1, or None "
+                                         f"for plain python; not {nproc!r}."):
+        launch("hello_distributed.py", nproc=nproc, timeout=60)
 
 
 def test_unknown_script_is_one_sentence():
