@@ -30,7 +30,11 @@ def test_read_cpu_clock_prefers_sysfs_then_cpuinfo(tmp_path):
     cpufreq.write_text("3500000\n")
     assert read_cpu_clock(cpufreq, cpuinfo) == (3.5, "maximum clock from sysfs")
     clock, why = read_cpu_clock(tmp_path / "none", tmp_path / "none")
-    assert clock is None and "could not be read" in why
+    assert (clock, why) == (None, "the CPU clock could not be read on this system")
+    cpufreq.write_text("0\n")  # no frequency scaling information: use cpuinfo
+    assert read_cpu_clock(cpufreq, cpuinfo) == (2.6, "current clock from /proc/cpuinfo")
+    cpuinfo.write_text("cpu MHz\t\t: 0.000\n")
+    assert read_cpu_clock(cpufreq, cpuinfo)[0] is None
 
 
 def test_estimate_cpu_peak_arithmetic():
@@ -49,6 +53,9 @@ def test_estimate_cpu_peak_says_when_unknown():
         estimate_cpu_peak(cores=0)
     with pytest.raises(ValueError, match="must be positive"):
         estimate_cpu_peak(clock_ghz=-1.0)
+    with pytest.raises(ValueError, match="must be positive"):
+        estimate_cpu_peak(clock_ghz=0.0)
+    assert estimate_cpu_peak(cores=1, clock_ghz=1.0, isa="AVX2").gflops == 32
 
 
 def test_estimate_cpu_peak_on_this_machine():
