@@ -23,6 +23,7 @@ def test_try_gpu_falls_back_to_cpu(no_gpus):
 
 
 def test_try_gpu_picks_existing_gpu(two_gpus):
+    assert try_gpu() == torch.device("cuda:0")
     assert try_gpu(1) == torch.device("cuda:1")
     assert try_gpu(2) == torch.device("cpu")
 
@@ -35,6 +36,7 @@ def test_try_all_gpus_simulates_k_cpu_devices(no_gpus):
 def test_try_all_gpus_with_gpus(two_gpus):
     assert try_all_gpus() == [torch.device("cuda:0"), torch.device("cuda:1")]
     assert try_all_gpus(1) == [torch.device("cuda:0")]
+    assert try_all_gpus(2) == [torch.device("cuda:0"), torch.device("cuda:1")]
 
 
 def test_try_all_gpus_refuses_more_than_there_are(two_gpus):

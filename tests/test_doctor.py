@@ -1,5 +1,6 @@
 """`python -m companion.doctor` prints a useful report and the right advice."""
 
+import platform
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -7,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+import torchvision
 
 from companion import devices, doctor
 from companion.doctor import collect_report
@@ -24,10 +26,13 @@ def machine(monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 90100)
     monkeypatch.setattr(dist, "is_gloo_available", lambda: True)
     monkeypatch.setattr(dist, "is_mpi_available", lambda: False)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(torch, "get_num_interop_threads", lambda: 4)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
     def configure(gpus: int, nccl: bool) -> None:
+        monkeypatch.setattr(torch.version, "cuda", "12.8" if gpus else None)
         monkeypatch.setattr(doctor, "num_gpus", lambda: gpus)
         monkeypatch.setattr(devices, "num_gpus", lambda: gpus)  # what get_backend() asks
         monkeypatch.setattr(dist, "is_nccl_available", lambda: nccl)
@@ -41,8 +46,15 @@ def test_report_on_a_cpu_only_machine(machine):
     assert list(report)[:8] == [
         "Python", "Platform", "torch", "torchvision", "d2l", "CUDA (built with)", "cuDNN", "GPUs",
     ]  # fmt: skip
+    v = sys.version_info
+    assert report["Python"] == f"{v.major}.{v.minor}.{v.micro}"
+    assert report["Platform"].startswith(platform.system())
     assert report["torch"] == torch.__version__
+    assert torchvision.__version__.split("+")[0] == report["torchvision"]  # pip lists no "+cu130"
     assert report["d2l"] == "1.0.3"  # the version the Makefile pins
+    assert report["CUDA (built with)"] == "none (CPU build)"
+    assert report["CPU vector ISA"] == "AVX2"
+    assert report["Inter-op threads"] == "4"
     assert (report["cuDNN"], report["GPUs"]) == ("n/a", "0")
     assert not any(key.startswith("  cuda:") for key in report)
     assert report["CUDA_VISIBLE_DEVICES"] == "(not set)"
@@ -57,7 +69,7 @@ def test_report_lists_each_gpu(machine, monkeypatch):
     machine(gpus=2, nccl=True)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     report = collect_report()
-    assert (report["cuDNN"], report["GPUs"]) == ("90100", "2")
+    assert (report["CUDA (built with)"], report["cuDNN"], report["GPUs"]) == ("12.8", "90100", "2")
     assert report["  cuda:0"] == "Fake GPU 0, 24.0 GiB"
     assert report["  cuda:1"] == "Fake GPU 1, 24.0 GiB"
     assert list(report).index("  cuda:1") == list(report).index("GPUs") + 2
