@@ -22,7 +22,10 @@ from companion.data import (
 
 def test_toy_data_is_the_appendix_data():
     X_train, y_train, X_test, y_test = make_toy_data()
-    assert X_train.shape == (5, 2) and X_test.shape == (2, 2)
+    # the numbers chapter 03 prints and the appendix uses
+    expected = torch.tensor([[-1.2, 3.1], [-0.9, 2.9], [-0.5, 2.6], [2.3, -1.1], [2.7, -1.5]])
+    torch.testing.assert_close(X_train, expected)
+    torch.testing.assert_close(X_test, torch.tensor([[-0.8, 2.8], [2.6, -1.6]]))
     assert y_train.tolist() == [0, 0, 0, 1, 1] and y_test.tolist() == [0, 1]
 
 
@@ -49,6 +52,22 @@ def test_spirals_shape_labels_and_determinism():
     # Without noise every point lies within the unit disc (radius sqrt(t) <= 1).
     clean, _ = make_spirals(200, generator=g)
     assert clean.norm(dim=1).max() <= 1 + 1e-6
+
+
+def test_spirals_wind_as_promised():
+    # Five points at t = 0, 1/4, 1/2, 3/4, 1: radius sqrt(t), angle 2 pi x radius x rotations,
+    # mirrored through the origin for label 0.
+    points, labels = make_spirals(5, generator=torch.Generator().manual_seed(0))
+    side = (2 * labels - 1).float()
+    torch.testing.assert_close(points.norm(dim=1), torch.tensor([0.0, 0.5, 0.5**0.5, 0.75**0.5, 1.0]))
+    torch.testing.assert_close(points[1], torch.tensor([-0.5, 0.0]) * side[1], atol=1e-6, rtol=0)  # half a turn
+    torch.testing.assert_close(points[4], torch.tensor([1.0, 0.0]) * side[4], atol=1e-6, rtol=0)  # a whole turn
+    half, labels = make_spirals(5, rotations=0.5, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(half[4], torch.tensor([-1.0, 0.0]) * (2 * labels[4] - 1), atol=1e-6, rtol=0)
+    noisy, _ = make_spirals(2000, noise_std=0.1, generator=torch.Generator().manual_seed(0))
+    clean, _ = make_spirals(2000, generator=torch.Generator().manual_seed(0))
+    # the same labels come first from the generator; the noise is what differs
+    assert 0.08 < (noisy - clean).std().item() < 0.12
 
 
 def test_digits_look_like_fashion_mnist():
