@@ -60,6 +60,8 @@ def test_backend_nccl_for_cuda_gloo_for_cpu(monkeypatch, no_gpus, nccl):
 def test_backend_for_this_machine_with_gpus(monkeypatch, two_gpus):
     monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
     assert get_backend() == "nccl"
+    monkeypatch.setattr(devices, "num_gpus", lambda: 1)
+    assert get_backend() == "nccl"
     assert get_backend("cpu") == "gloo"  # CPU tensors need gloo even on a GPU machine
     monkeypatch.setattr(torch.distributed, "is_available", lambda: False)
     assert get_backend("cuda") == "gloo"

@@ -78,6 +78,32 @@ def test_report_lists_each_gpu(machine, monkeypatch):
     assert report["Default backend here"] == "nccl"
 
 
+@pytest.mark.parametrize(
+    "available, gloo, mpi, text",
+    [
+        (True, True, True, "gloo, nccl, mpi"),
+        (True, False, False, "nccl"),
+        (True, False, True, "nccl, mpi"),
+        (False, True, True, "torch.distributed unavailable"),
+    ],
+)
+def test_report_names_the_distributed_backends(machine, monkeypatch, available, gloo, mpi, text):
+    machine(gpus=1, nccl=True)
+    monkeypatch.setattr(dist, "is_available", lambda: available)
+    monkeypatch.setattr(dist, "is_gloo_available", lambda: gloo)
+    monkeypatch.setattr(dist, "is_mpi_available", lambda: mpi)
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    report = collect_report()
+    assert report["Distributed backends"] == text
+    assert report["OMP_NUM_THREADS"] == "(not set)"
+
+
+def test_report_without_any_backend(machine, monkeypatch):
+    machine(gpus=0, nccl=False)
+    monkeypatch.setattr(dist, "is_gloo_available", lambda: False)
+    assert collect_report()["Distributed backends"] == "none"
+
+
 def test_version_of_a_missing_package():
     assert doctor._version("no-such-package-in-this-course") == "not installed"
 

@@ -173,7 +173,7 @@ def test_compare_against_limits():
         "100 GFLOP/s is 0.50x the matmul rate and 0.31x the estimated peak of this machine."
     )
     assert limits.compare(gbs=5.0) == "5 GB/s is 0.25x the copy bandwidth of this machine."
-    with pytest.raises(ValueError, match="Give an achieved"):
+    with pytest.raises(ValueError, match=r"^Give an achieved gflops or gbs to compare\.$"):
         limits.compare()
     assert limits.compare(50.0, 40.0) == (
         "50 GFLOP/s is 0.25x the matmul rate and 0.16x the estimated peak; "
