@@ -41,25 +41,22 @@ def try_gpu(i: int = 0) -> torch.device:
 def try_all_gpus(k: int | None = None) -> list[torch.device]:
     """Return ``k`` devices to train on.
 
-    With GPUs: the first ``k`` of them (all of them when ``k`` is None).
-    Without GPUs: ``k`` simulated devices, all of them the CPU (one when ``k``
-    is None). Unlike ``d2l.try_all_gpus``, which returns ``[]`` on a CPU, the
-    list is never empty.
+    With at least ``k`` GPUs: the first ``k`` of them (all of them when ``k``
+    is None). With fewer GPUs than ``k``: ``k`` replicas spread over the GPUs
+    there are, in turn (one GPU, ``k = 2``: ``cuda:0`` twice). Without GPUs:
+    ``k`` simulated devices, all of them the CPU (one when ``k`` is None).
+    Unlike ``d2l.try_all_gpus``, which returns ``[]`` on a CPU, the list is
+    never empty. Replicas that share a device run one after the other.
 
     Raises:
-        DeviceError: the machine has GPUs, but fewer than ``k``.
+        DeviceError: ``k`` is not a positive number.
     """
     if k is not None and k < 1:
         raise DeviceError(f"Ask for at least one device, not {k}.")
     gpus = num_gpus()
     if gpus == 0:
         return [torch.device("cpu")] * (k or 1)
-    if k is not None and k > gpus:
-        raise DeviceError(
-            f"{k} devices were requested but this machine has {gpus} GPU(s); "
-            f"ask for at most {gpus}."
-        )
-    return [torch.device(f"cuda:{i}") for i in range(k or gpus)]
+    return [torch.device(f"cuda:{i % gpus}") for i in range(k or gpus)]
 
 
 def get_backend(device_type: str | None = None) -> str:

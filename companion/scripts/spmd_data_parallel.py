@@ -311,6 +311,11 @@ def wrap(method: str, model: nn.Module, mesh) -> nn.Module:
     if method == "replicate (private)":
         return replicate(model)
     if method == "fully_shard":
+        # One FSDP unit per layer, then the root for what is left: each layer's
+        # parameters are all-gathered just before it runs and freed after.
+        for layer in model.modules():
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
         return fully_shard(model, mesh=mesh)
     if method == "no sync (control)":
         return model
