@@ -11,6 +11,8 @@ import torch
 from companion import hardware
 from companion.devices import cpu_count
 from companion.hardware import (
+    bf16_matmul_support,
+    cpu_flags,
     MachineLimits,
     PeakEstimate,
     estimate_cpu_peak,
@@ -35,6 +37,18 @@ def test_read_cpu_clock_prefers_sysfs_then_cpuinfo(tmp_path):
     assert read_cpu_clock(cpufreq, cpuinfo) == (2.6, "current clock from /proc/cpuinfo")
     cpuinfo.write_text("cpu MHz\t\t: 0.000\n")
     assert read_cpu_clock(cpufreq, cpuinfo)[0] is None
+
+
+def test_cpu_flags_and_bf16_support(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512_bf16 amx_bf16\nbugs\t\t: spectre_v1\n")
+    assert cpu_flags(cpuinfo) == {"fpu", "avx2", "avx512_bf16", "amx_bf16"}
+    assert bf16_matmul_support(cpuinfo) == "amx_bf16"  # AMX first: it is the faster path
+    cpuinfo.write_text("flags\t\t: fpu avx2 avx512_bf16\n")
+    assert bf16_matmul_support(cpuinfo) == "avx512_bf16"
+    cpuinfo.write_text("flags\t\t: fpu avx2\n")
+    assert bf16_matmul_support(cpuinfo) is None
+    assert cpu_flags(tmp_path / "none") == set() and bf16_matmul_support(tmp_path / "none") is None
 
 
 def test_estimate_cpu_peak_arithmetic():
