@@ -85,7 +85,7 @@ def test_estimate_cpu_peak_on_this_machine():
 def test_estimate_cpu_peak_detects_cores_clock_and_isa(monkeypatch, usable, physical, cores):
     # SMT siblings share the FMA units: count physical cores, within those this process may use.
     monkeypatch.setattr(hardware, "cpu_count", lambda: usable)
-    monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: physical if not logical else 2 * usable)
+    monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: physical if logical is False else 2 * usable)
     monkeypatch.setattr(hardware, "read_cpu_clock", lambda: (2.0, "from the test"))
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     peak = estimate_cpu_peak()
@@ -109,20 +109,24 @@ def timed(monkeypatch):
 
 def test_matmul_gflops_counts_two_n_cubed_flops(timed):
     # 2 x 100^3 = 2e6 FLOPs in 1 ms: 2 GFLOP/s.
-    assert measure_matmul_gflops(100, min_run_time=0.5, num_threads=3) == pytest.approx(2.0)
+    assert measure_matmul_gflops(100, min_run_time=0.5, num_threads=3) == pytest.approx(2.0, rel=1e-12)
     ((fn, (a, b), kwargs),) = timed
     assert fn is torch.mm and a.shape == b.shape == (100, 100)
     assert kwargs["out"].shape == (100, 100)
+    measure_matmul_gflops(4, device="meta")  # the tensors are made on the device asked for
+    assert {t.device.type for t in (*timed[1][1], timed[1][2]["out"])} == {"meta"}
     assert (kwargs["min_run_time"], kwargs["num_threads"]) == (0.5, 3)
 
 
 def test_bandwidth_counts_bytes_read_and_written(timed):
     # A copy of 4,000 bytes reads 4,000 and writes 4,000: 8e3 bytes in 1 ms is 8e-3 GB/s.
-    assert measure_bandwidth(4000, min_run_time=0.5) == pytest.approx(8e-3)
+    assert measure_bandwidth(4000, min_run_time=0.5) == pytest.approx(8e-3, rel=1e-12)
     ((fn, (src,), kwargs),) = timed
     assert src.nbytes == 4000 and fn.__self__.shape == src.shape and kwargs["min_run_time"] == 0.5
     assert measure_bandwidth(4003) == pytest.approx(8e-3)  # whole float32s only
     assert measure_bandwidth(4) == pytest.approx(8e-6)
+    measure_bandwidth(64, device="meta")
+    assert timed[-1][1][0].device.type == "meta" and timed[-1][0].__self__.device.type == "meta"
 
 
 def test_measurements_are_positive_rates():
@@ -151,11 +155,13 @@ def test_measure_limits_uses_the_measurements(monkeypatch):
     monkeypatch.setattr(hardware, "measure_matmul_gflops", gflops)
     monkeypatch.setattr(hardware, "measure_bandwidth", gbs)
     monkeypatch.setattr(hardware, "estimate_cpu_peak", lambda: PeakEstimate(2, 2.5, 64, "AVX512", "given"))
+    monkeypatch.setattr(hardware, "describe_hardware", lambda: "the test machine")
     limits = measure_limits(n=64, nbytes=2**21, min_run_time=0.1)
     cpu = torch.device("cpu")
     assert seen == [("matmul", 64, cpu, 0.1), ("copy", 2**21, cpu, 0.1)]
     assert (limits.device, limits.matmul_gflops, limits.matmul_size) == ("cpu", 150.0, 64)
     assert (limits.bandwidth_gbs, limits.copy_bytes) == (12.0, 2**21)
+    assert limits.hardware == "the test machine"
     assert limits.peak_fraction == pytest.approx(150 / 320)
     assert str(limits).splitlines()[:4] == [
         "fp32 matmul (64 x 64): 150 GFLOP/s",
@@ -194,7 +200,8 @@ def test_compare_against_limits():
         "40 GB/s is 2.00x the copy bandwidth of this machine."
     )
     no_peak = MachineLimits("cuda:0", 200.0, 2048, 20.0, 2**28, None, "test")
-    assert no_peak.peak_fraction is None and "not estimated" in str(no_peak)
+    assert no_peak.peak_fraction is None
+    assert str(no_peak).splitlines()[2] == "peak fp32: not estimated on an accelerator (see its datasheet)"
     assert no_peak.compare(100.0) == "100 GFLOP/s is 0.50x the matmul rate of this machine."
     unknown = MachineLimits("cpu", 200.0, 2048, 20.0, 2**28, PeakEstimate(2, None, 64, "AVX512", "no clock"), "test")
     assert unknown.peak_fraction is None

@@ -16,6 +16,10 @@ def test_set_seed_makes_all_generators_repeat():
     first = (random.random(), np.random.rand(), torch.rand(1).item())
     set_seed(3)
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == first
+    set_seed()
+    zero = torch.rand(1).item()
+    set_seed(0)
+    assert torch.rand(1).item() == zero  # the default seed is 0
     set_seed(4)
     assert random.random() != first[0] and np.random.rand() != first[1] and torch.rand(1).item() != first[2]
 
@@ -74,4 +78,8 @@ def test_setup_notebook_outside_ipython_seeds_and_quiets(monkeypatch):
     first = torch.rand(1).item()
     assert logger.level == logging.ERROR
     set_seed(5)
+    assert torch.rand(1).item() == first
+    setup_notebook()
+    first = torch.rand(1).item()
+    set_seed(0)
     assert torch.rand(1).item() == first

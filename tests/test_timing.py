@@ -115,6 +115,39 @@ def test_benchmark_one_block_and_slow_calls(fake_timer):
     assert (result.median, result.iqr, result.runs) == (7.0, 0.0, 1)
 
 
+def test_benchmark_defaults_and_keyword_arguments(fake_timer):
+    # Documented defaults: 2 warm-up calls, 7 blocks, about 0.2 s of measuring.
+    fake_timer += [1e-3] * 8
+    seen = []
+    result = benchmark(lambda *a, **k: seen.append((a, k)), 1, scale=2)
+    (timer,) = FakeTimer.instances
+    assert seen[0] == ((1,), {"scale": 2})
+    assert timer.numbers == [1] + [28] * 7  # int(0.2 s / 7 / 1 ms)
+    assert len(seen) == 2 + 1 + 7 * 28
+    assert (result.label, result.runs) == ("", 7)
+
+
+def test_timing_from_samples():
+    two = Timing.from_samples("epochs", [3.0, 1.0], threads=3)
+    # Quartiles of 1 and 3 s (exclusive method) extrapolate to 0.5 and 3.5 s.
+    assert (two.label, two.median, two.iqr, two.runs, two.threads) == ("epochs", 2.0, 3.0, 2, 3)
+    assert "3 threads" in two.hardware
+    one = Timing.from_samples("once", [0.5])
+    assert (one.median, one.iqr, one.runs, one.threads) == (0.5, 0.0, 1, 1)  # one thread: conftest
+    assert one.hardware.endswith("1 thread")
+    with pytest.raises(ValueError, match=r"^No measurements for 'nothing'\.$"):
+        Timing.from_samples("nothing", [])
+
+
+@pytest.mark.parametrize(
+    "ratio, digits, text", [(1.5, 2, "1.50×"), (12.34, 1, "12.3×"), (math.nan, 2, "n/a"), (math.inf, 1, "n/a")]
+)
+def test_format_ratio(ratio, digits, text):
+    assert timing.format_ratio(ratio, digits) == text
+    if digits == 2:
+        assert timing.format_ratio(ratio) == text
+
+
 def test_benchmark_measures_a_known_duration():
     result = benchmark(time.sleep, 0.01, label="sleep", warmup=1, min_run_time=0.1)
     assert isinstance(result, Timing)
@@ -198,6 +231,10 @@ def test_format_table_aligns_and_names_hardware():
     assert lines[0] == "T"
     assert lines[1:5] == format_table(rows, hardware=False).splitlines()
     assert len(lines) == 6 and lines[-1].startswith("Measured on: ")
+
+
+def test_format_table_of_one_row():
+    assert format_table([{"models": 8, "note": "x"}], hardware=False) == "models  note\n------  ----\n8       x"
 
 
 def test_format_table_of_no_rows_is_the_title():
