@@ -8,7 +8,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: book test test-portable unit notebooks execute doctor clean
+.PHONY: book test test-slow test-portable unit notebooks execute doctor clean
 
 $(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,11 @@ book: $(STAMP)
 
 test: $(STAMP)
 	bash tools/run_tests.sh
+
+# The heavy multi-process tests that `make test` leaves out (4 processes, two
+# loopback nodes): a few minutes more.
+test-slow: $(STAMP)
+	$(BIN)/pytest tests -m slow --durations=10
 
 # nbval again under another CPU kernel path and thread count (see the script).
 test-portable: $(STAMP)

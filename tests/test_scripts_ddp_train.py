@@ -355,6 +355,7 @@ def test_killed_worker_restarts_and_resumes_from_its_checkpoint(two_processes, t
 # ---------------------------------------------------------------- several nodes
 
 
+@pytest.mark.slow
 def test_two_torchrun_agents_train_as_two_nodes(two_processes, tmp_path):
     tag, port = uuid.uuid4().hex, free_port()
     results = tmp_path / "results.json"

@@ -71,6 +71,7 @@ def dp2() -> dict:
     return launch("spmd_data_parallel.py", ["--steps", "2", "--batch-size", "32"], nproc=2, timeout=120)
 
 
+@pytest.mark.slow
 def test_dtensor_basics_four_processes() -> None:
     out = launch("dtensor_basics.py", nproc=4, timeout=120)
     full = np.array(out["full"])
@@ -108,6 +109,7 @@ def test_data_parallel_variants_match_ddp(dp2) -> None:
     assert len(rows) == 2 * 4 * 4  # 2 models x 4 optimisers x 4 methods
 
 
+@pytest.mark.slow
 def test_data_parallel_variants_match_ddp_with_four_processes() -> None:
     out = launch("spmd_data_parallel.py", ["--steps", "2", "--batch-size", "32"], nproc=4, timeout=200)
     assert out["world_size"] == 4
@@ -120,7 +122,8 @@ def test_data_parallel_variants_match_ddp_with_four_processes() -> None:
 
 @pytest.mark.parametrize("tolerance, expected", [
     ("1e-30", "ended .* from DDP, beyond --tolerance 1e-30"),  # after 2 steps some method differs a little
-    ("10", "a no-sync control ended only .* within --tolerance 10, so the comparison cannot tell"),
+    pytest.param("10", "a no-sync control ended only .* within --tolerance 10, so the comparison cannot tell",
+                 marks=pytest.mark.slow),
 ])  # fmt: skip
 def test_a_missed_tolerance_exits_with_code_3(tolerance, expected, capsys) -> None:
     with pytest.raises(LaunchError, match="exit code"):
@@ -182,6 +185,7 @@ def test_too_many_processes_for_the_halo_is_one_sentence_from_rank_0(rank) -> No
     assert proc.stderr == (expected if rank == 0 else "")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_two_loopback_nodes_equal_one_node_hello_and_basics(basics2, tmp_path) -> None:
     hello = two_agents("hello_distributed.py", [], tmp_path / "hello")
@@ -189,12 +193,14 @@ def test_two_loopback_nodes_equal_one_node_hello_and_basics(basics2, tmp_path) -
     assert two_agents("dtensor_basics.py", [], tmp_path / "basics") == basics2
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_two_loopback_nodes_equal_one_node_data_parallel(dp2, tmp_path) -> None:
     dp = two_agents("spmd_data_parallel.py", ["--steps", "2", "--batch-size", "32"], tmp_path / "dp")
     assert dp["rows"] == dp2["rows"]  # every difference from DDP, bit for bit
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_two_loopback_nodes_equal_one_node_convnext(tmp_path) -> None:
     args = ["--conv-mode", "halo", "--iters", "1"]
@@ -204,6 +210,7 @@ def test_two_loopback_nodes_equal_one_node_convnext(tmp_path) -> None:
         assert two["modes"][0][key] == one["modes"][0][key], key
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_two_loopback_nodes_equal_one_node_resnet(tmp_path) -> None:
     args = ["--width", "4", "--epochs", "1", "--global-batch-size", "16", "--max-train", "32", "--timing-steps", "0"]

@@ -16,8 +16,9 @@ step() {
   echo "<== $name: $((SECONDS - t)) s"
 }
 
+# Heavy multi-process tests (marked slow) run in `make test-slow`; CI runs both.
 step "tests and notebooks (pytest + nbval)" \
-  $BIN/pytest tests notebooks --nbval --nbval-current-env \
+  $BIN/pytest tests notebooks -m "not slow" --nbval --nbval-current-env \
   --nbval-sanitize-with tests/nbval_sanitize.cfg --durations=15
 step "book build (-W -n --keep-going)" \
   $BIN/jupyter-book build . -W -n --keep-going
