@@ -37,6 +37,19 @@ EXAMPLES = {
     "peak-memory": ("peak resident set 931 MiB", "peak resident set <memory>", "2.30 MiB saved for backward"),
     "ch04-temp-folder": ("/tmp/course-ch04-9q6edn_o/checkpoint.pt", "<workdir>/checkpoint.pt",
                          "ch09_runs/broken/step-000100.pt"),
+    "ddp-resnet-epoch-log": ("epoch 1/4: loss 1.430, test accuracy 19.5%, 14.13 s",
+                             "epoch 1/4: loss <loss>, test accuracy <accuracy>, 14.13 s",
+                             "ResNet-18 (width 16): 701,178 parameters; global batch 128 = 2 x 64."),
+    "spmd-differences": ("fully_shard          max |param - DDP param| = 2.2e-07",
+                         "fully_shard          max |param - DDP param| = <difference>",
+                         "4 processes on cpu, 5 steps, global batch 128"),
+    "convnext-differences": (
+        "halo: loss 2.302390 vs unsharded 2.302390, difference 0.0e+00; largest gradient difference "
+        "7.8e-08 (1.9e-07 of the largest gradient); matches the unsharded model",
+        "halo: loss <value> vs unsharded <value>, difference <value>; largest gradient difference "
+        "<value> (<value> of the largest gradient); matches the unsharded model",
+        "halo: activations saved for backward 0.59 MiB per process (unsharded: 2.30 MiB)",
+    ),
     "table-padding": ("<time>     next", "<time>~next", "8       7.58"),
 }
 

@@ -122,19 +122,6 @@ def test_timing_from_samples_median_and_iqr():
         Timing.from_samples("none", [])
 
 
-def test_bf16_matmul_support_reads_cpu_flags(tmp_path):
-    from companion.hardware import bf16_matmul_support, cpu_flags
-
-    xeon = tmp_path / "xeon"
-    xeon.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n")
-    epyc = tmp_path / "epyc"
-    epyc.write_text("processor\t: 0\nflags\t\t: fpu avx2 fma\n")
-    assert bf16_matmul_support(xeon) == "amx_bf16"
-    assert bf16_matmul_support(epyc) is None
-    assert cpu_flags(tmp_path / "missing") == set()
-    assert "fma" in cpu_flags(epyc)
-
-
 def test_format_table_names_the_threads_the_timings_used():
     from companion.timing import format_table
 
