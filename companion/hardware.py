@@ -1,7 +1,7 @@
 """The machine's limits: fp32 matmul throughput, memory bandwidth, peak FLOP/s.
 
 Chapter 06 measures them; later chapters compare what they achieve against
-them ("the training step ran at 0.4x of this machine's matmul rate"):
+them ("the training step ran at 0.40× this machine's matmul rate"):
 
 >>> limits = measure_limits()
 >>> print(limits)                 # the three numbers, and where they came from
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from companion.devices import cpu_count, describe_hardware
-from companion.timing import benchmark
+from companion.timing import benchmark, format_ratio
 
 __all__ = [
     "BF16_MATMUL_FLAGS",
@@ -197,20 +197,26 @@ def measure_matmul_gflops(
 
 
 def measure_bandwidth(
-    nbytes: int = 2**28, *, device: torch.device | str = "cpu", min_run_time: float = 0.3
+    nbytes: int = 2**27, *, device: torch.device | str = "cpu", min_run_time: float = 0.3
 ) -> float:
-    """Measure memory bandwidth in GB/s by copying ``nbytes`` between two buffers.
+    """Measure memory bandwidth in GB/s: the best of a copy and an add on ``nbytes`` buffers.
 
-    Bytes read plus bytes written are counted (2 x ``nbytes`` per copy), as
-    the STREAM benchmark's "copy" does. Use buffers much larger than the
-    caches, or the number measures the caches.
+    As the STREAM benchmark does, bytes read plus bytes written are counted:
+    2 x ``nbytes`` per copy (``dst = src``), 3 x ``nbytes`` per add
+    (``out = a + b``). The faster of the two is the bandwidth: simple kernels
+    differ in how well they stream, and a limit that another simple kernel
+    beats is no limit. Use buffers much larger than the caches (the default,
+    128 MiB each, exceeds the last-level cache of most CPUs), or the number
+    measures the caches.
     """
     if nbytes < 4:
         raise ValueError(f"Copy at least 4 bytes (one float32), not {nbytes}.")
-    src = torch.ones(nbytes // 4, device=device)
-    dst = torch.empty_like(src)
-    timing = benchmark(dst.copy_, src, label="copy", min_run_time=min_run_time)
-    return 2 * src.nbytes / timing.median / 1e9
+    a = torch.ones(nbytes // 4, device=device)
+    b = torch.ones_like(a)
+    out = torch.empty_like(a)
+    copy = benchmark(out.copy_, a, label="copy", min_run_time=min_run_time)
+    add = benchmark(torch.add, a, b, out=out, label="add", min_run_time=min_run_time)
+    return max(2 * a.nbytes / copy.median, 3 * a.nbytes / add.median) / 1e9
 
 
 @dataclass(frozen=True)
@@ -220,8 +226,8 @@ class MachineLimits:
     device: str
     matmul_gflops: float  # measured fp32 matmul throughput
     matmul_size: int  # n of the n x n matrices
-    bandwidth_gbs: float  # measured copy bandwidth, read + write
-    copy_bytes: int  # size of the copied buffer
+    bandwidth_gbs: float  # measured bandwidth, best of copy and add, read + write
+    copy_bytes: int  # size of each buffer the bandwidth was measured on
     peak: PeakEstimate | None  # None on accelerators
     hardware: str
 
@@ -236,12 +242,12 @@ class MachineLimits:
         """Say how close an achieved GFLOP/s and/or GB/s come to these limits."""
         parts = []
         if gflops is not None:
-            text = f"{gflops:.3g} GFLOP/s is {gflops / self.matmul_gflops:.2f}x the matmul rate"
+            text = f"{gflops:.3g} GFLOP/s is {format_ratio(gflops / self.matmul_gflops)} the matmul rate"
             if self.peak is not None and self.peak.gflops is not None:
-                text += f" and {gflops / self.peak.gflops:.2f}x the estimated peak"
+                text += f" and {format_ratio(gflops / self.peak.gflops)} the estimated peak"
             parts.append(text)
         if gbs is not None:
-            parts.append(f"{gbs:.3g} GB/s is {gbs / self.bandwidth_gbs:.2f}x the copy bandwidth")
+            parts.append(f"{gbs:.3g} GB/s is {format_ratio(gbs / self.bandwidth_gbs)} the memory bandwidth")
         if not parts:
             raise ValueError("Give an achieved gflops or gbs to compare.")
         return "; ".join(parts) + " of this machine."
@@ -249,7 +255,7 @@ class MachineLimits:
     def __str__(self) -> str:
         lines = [
             f"fp32 matmul ({self.matmul_size} x {self.matmul_size}): {self.matmul_gflops:.3g} GFLOP/s",
-            f"memory bandwidth (copy of {self.copy_bytes / 2**20:.0f} MiB): "
+            f"memory bandwidth (best of copy and add, {self.copy_bytes / 2**20:.0f} MiB buffers): "
             f"{self.bandwidth_gbs:.3g} GB/s",
         ]
         if self.peak is None:
@@ -257,7 +263,7 @@ class MachineLimits:
         else:
             lines.append(f"peak fp32 estimate: {self.peak}")
             if self.peak_fraction is not None:
-                lines.append(f"matmul reaches {self.peak_fraction:.2f}x the estimated peak")
+                lines.append(f"matmul reaches {format_ratio(self.peak_fraction)} the estimated peak")
             else:
                 lines.append("matmul vs peak: unknown, only measured numbers are reported")
         lines.append(f"Measured on: {self.hardware}")
@@ -268,10 +274,10 @@ def measure_limits(
     device: torch.device | str = "cpu",
     *,
     n: int = 2048,
-    nbytes: int = 2**28,
+    nbytes: int = 2**27,
     min_run_time: float = 0.3,
 ) -> MachineLimits:
-    """Measure matmul throughput and copy bandwidth on ``device`` (about 2 s).
+    """Measure matmul throughput and memory bandwidth on ``device`` (about 3 s).
 
     On a CPU the peak is estimated too; on an accelerator it is left out.
     """

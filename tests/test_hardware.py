@@ -118,15 +118,25 @@ def test_matmul_gflops_counts_two_n_cubed_flops(timed):
     assert (kwargs["min_run_time"], kwargs["num_threads"]) == (0.5, 3)
 
 
-def test_bandwidth_counts_bytes_read_and_written(timed):
-    # A copy of 4,000 bytes reads 4,000 and writes 4,000: 8e3 bytes in 1 ms is 8e-3 GB/s.
-    assert measure_bandwidth(4000, min_run_time=0.5) == pytest.approx(8e-3, rel=1e-12)
-    ((fn, (src,), kwargs),) = timed
-    assert src.nbytes == 4000 and fn.__self__.shape == src.shape and kwargs["min_run_time"] == 0.5
-    assert measure_bandwidth(4003) == pytest.approx(8e-3)  # whole float32s only
-    assert measure_bandwidth(4) == pytest.approx(8e-6)
-    measure_bandwidth(64, device="meta")
-    assert timed[-1][1][0].device.type == "meta" and timed[-1][0].__self__.device.type == "meta"
+def test_bandwidth_is_the_best_of_copy_and_add_counting_bytes_read_and_written(timed):
+    # Each call "takes" 1 ms. A copy of 4,000-byte buffers moves 8,000 bytes
+    # (8e-3 GB/s), an add 12,000 (12e-3 GB/s): the add's is the bandwidth.
+    assert measure_bandwidth(4000, min_run_time=0.5) == pytest.approx(12e-3)
+    (copy_fn, (src,), copy_kwargs), (add_fn, (a, b), add_kwargs) = timed
+    assert src.nbytes == 4000 and copy_fn.__self__.shape == src.shape
+    assert add_fn is torch.add and a.nbytes == b.nbytes == 4000 and add_kwargs["out"].shape == a.shape
+    assert copy_kwargs["min_run_time"] == add_kwargs["min_run_time"] == 0.5
+    assert measure_bandwidth(4003) == pytest.approx(12e-3)  # whole float32s only
+    assert measure_bandwidth(4) == pytest.approx(12e-6)
+
+
+def test_bandwidth_takes_the_copy_when_it_is_faster(monkeypatch):
+    def fake_benchmark(fn, *args, **kwargs):
+        seconds = 1e-3 if kwargs["label"] == "copy" else 3e-3  # the add is slow here
+        return Timing("fake", seconds, 0.0, 7, "test machine")
+
+    monkeypatch.setattr(hardware, "benchmark", fake_benchmark)
+    assert measure_bandwidth(4000) == pytest.approx(8e-3)
 
 
 def test_measurements_are_positive_rates():
@@ -165,10 +175,10 @@ def test_measure_limits_uses_the_measurements(monkeypatch):
     assert limits.peak_fraction == pytest.approx(150 / 320)
     assert str(limits).splitlines()[:4] == [
         "fp32 matmul (64 x 64): 150 GFLOP/s",
-        "memory bandwidth (copy of 2 MiB): 12 GB/s",
+        "memory bandwidth (best of copy and add, 2 MiB buffers): 12 GB/s",
         "peak fp32 estimate: 320 GFLOP/s = 2 cores x 2.50 GHz x 64 FLOP/cycle "
         "(AVX512, two FMA units assumed; given)",
-        "matmul reaches 0.47x the estimated peak",
+        "matmul reaches 0.47× the estimated peak",
     ]
     # On an accelerator the peak is not estimated (the tensors are never made here).
     assert measure_limits("meta", n=64).peak is None
@@ -177,7 +187,7 @@ def test_measure_limits_uses_the_measurements(monkeypatch):
 def test_measure_limits_and_compare():
     limits = measure_limits(n=128, nbytes=2**20, min_run_time=0.02)
     text = str(limits)
-    assert "fp32 matmul (128 x 128)" in text and "copy of 1 MiB" in text
+    assert "fp32 matmul (128 x 128)" in text and "best of copy and add, 1 MiB buffers" in text
     assert text.splitlines()[-1].startswith("Measured on: ")
     if limits.peak is not None and limits.peak.gflops is not None:
         assert limits.peak_fraction == pytest.approx(limits.matmul_gflops / limits.peak.gflops)
@@ -190,22 +200,22 @@ def test_compare_against_limits():
     )
     assert limits.peak_fraction == pytest.approx(200 / 320)
     assert limits.compare(100.0) == (
-        "100 GFLOP/s is 0.50x the matmul rate and 0.31x the estimated peak of this machine."
+        "100 GFLOP/s is 0.50× the matmul rate and 0.31× the estimated peak of this machine."
     )
-    assert limits.compare(gbs=5.0) == "5 GB/s is 0.25x the copy bandwidth of this machine."
+    assert limits.compare(gbs=5.0) == "5 GB/s is 0.25× the memory bandwidth of this machine."
     with pytest.raises(ValueError, match=r"^Give an achieved gflops or gbs to compare\.$"):
         limits.compare()
     assert limits.compare(50.0, 40.0) == (
-        "50 GFLOP/s is 0.25x the matmul rate and 0.16x the estimated peak; "
-        "40 GB/s is 2.00x the copy bandwidth of this machine."
+        "50 GFLOP/s is 0.25× the matmul rate and 0.16× the estimated peak; "
+        "40 GB/s is 2.00× the memory bandwidth of this machine."
     )
     no_peak = MachineLimits("cuda:0", 200.0, 2048, 20.0, 2**28, None, "test")
     assert no_peak.peak_fraction is None
     assert str(no_peak).splitlines()[2] == "peak fp32: not estimated on an accelerator (see its datasheet)"
-    assert no_peak.compare(100.0) == "100 GFLOP/s is 0.50x the matmul rate of this machine."
+    assert no_peak.compare(100.0) == "100 GFLOP/s is 0.50× the matmul rate of this machine."
     unknown = MachineLimits("cpu", 200.0, 2048, 20.0, 2**28, PeakEstimate(2, None, 64, "AVX512", "no clock"), "test")
     assert unknown.peak_fraction is None
-    assert unknown.compare(100.0) == "100 GFLOP/s is 0.50x the matmul rate of this machine."
+    assert unknown.compare(100.0) == "100 GFLOP/s is 0.50× the matmul rate of this machine."
     assert str(unknown).splitlines()[2:] == [
         "peak fp32 estimate: unknown: no clock",
         "matmul vs peak: unknown, only measured numbers are reported",
