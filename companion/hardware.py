@@ -244,7 +244,7 @@ class MachineLimits:
         if gflops is not None:
             text = f"{gflops:.3g} GFLOP/s is {format_ratio(gflops / self.matmul_gflops)} the matmul rate"
             if self.peak is not None and self.peak.gflops is not None:
-                text += f" and {format_ratio(gflops / self.peak.gflops)} the estimated peak"
+                text += f" ({format_ratio(gflops / self.peak.gflops)} the estimated peak)"
             parts.append(text)
         if gbs is not None:
             parts.append(f"{gbs:.3g} GB/s is {format_ratio(gbs / self.bandwidth_gbs)} the memory bandwidth")

@@ -200,13 +200,13 @@ def test_compare_against_limits():
     )
     assert limits.peak_fraction == pytest.approx(200 / 320)
     assert limits.compare(100.0) == (
-        "100 GFLOP/s is 0.50× the matmul rate and 0.31× the estimated peak of this machine."
+        "100 GFLOP/s is 0.50× the matmul rate (0.31× the estimated peak) of this machine."
     )
     assert limits.compare(gbs=5.0) == "5 GB/s is 0.25× the memory bandwidth of this machine."
     with pytest.raises(ValueError, match=r"^Give an achieved gflops or gbs to compare\.$"):
         limits.compare()
     assert limits.compare(50.0, 40.0) == (
-        "50 GFLOP/s is 0.25× the matmul rate and 0.16× the estimated peak; "
+        "50 GFLOP/s is 0.25× the matmul rate (0.16× the estimated peak); "
         "40 GB/s is 2.00× the memory bandwidth of this machine."
     )
     no_peak = MachineLimits("cuda:0", 200.0, 2048, 20.0, 2**28, None, "test")

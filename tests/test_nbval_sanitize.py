@@ -37,6 +37,11 @@ EXAMPLES = {
     "peak-memory": ("peak resident set 931 MiB", "peak resident set <memory>", "2.30 MiB saved for backward"),
     "ch04-temp-folder": ("/tmp/course-ch04-9q6edn_o/checkpoint.pt", "<workdir>/checkpoint.pt",
                          "ch09_runs/broken/step-000100.pt"),
+    "cpu-peak-estimate": ("peak fp32 estimate: 157 GFLOP/s = 2 cores x 2.45 GHz x 32 FLOP/cycle (AVX2)",
+                          "<this CPU's peak estimate>", "fp32 matmul (2048 x 2048): 74.7 GFLOP/s"),
+    "peak-share": ("76.4 GFLOP/s is 1.02× the matmul rate (0.49× the estimated peak) of this machine.",
+                   "76.4 GFLOP/s is 1.02× the matmul rate of this machine.",
+                   "the estimated peak (see chapter 06)"),
     "ddp-resnet-epoch-log": ("epoch 1/4: loss 1.430, test accuracy 19.5%, 14.13 s",
                              "epoch 1/4: loss <loss>, test accuracy <accuracy>, 14.13 s",
                              "ResNet-18 (width 16): 701,178 parameters; global batch 128 = 2 x 64."),
@@ -83,3 +88,14 @@ def test_a_verdict_answer_survives_every_pattern():
     for name in PATTERNS:  # in file order, as nbval applies them
         line = apply(name, line)
     assert line == "✗ compiled is faster than eager (at least 2x): NO  [measured …]"
+
+
+def test_peak_lines_compare_equal_with_and_without_a_known_peak():
+    """Chapter 06 on a CPU whose peak is known, and under ATEN_CPU_CAPABILITY=default (unknown)."""
+    known = ("matmul reaches 0.48× the estimated peak\n"
+             "76.4 GFLOP/s is 1.02× the matmul rate (0.49× the estimated peak) of this machine.")
+    unknown = ("matmul vs peak: unknown, only measured numbers are reported\n"
+               "80.1 GFLOP/s is 0.98× the matmul rate of this machine.")
+    for name in PATTERNS:  # in file order, as nbval applies them
+        known, unknown = apply(name, known), apply(name, unknown)
+    assert known == unknown
