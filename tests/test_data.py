@@ -1,6 +1,7 @@
 """companion.data: the offline data sets, Fashion-MNIST's failure modes, and the fallback."""
 
 import contextlib
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -76,15 +77,22 @@ def test_digits_look_like_fashion_mnist():
     assert images.shape[1:] == (1, 28, 28)
     assert images.dtype == torch.float32 and 0 <= images.min() and images.max() <= 1
     assert len(digits.train) + len(digits.test) == 1797
-    assert set(labels.tolist()) == set(range(10))
-    assert len(digits.classes) == 10
+    assert set(labels.tolist()) == set(range(10)) and labels.dtype == torch.long
+    assert digits.classes == ["0", "1", "2", "3", "4", "5", "6", "7", "8", "9"]
+    assert images.max() == 1.0  # the 16 grey levels are scaled to [0, 1]
+    test_images, test_labels = digits.test.tensors
+    assert test_images.shape == (359, 1, 28, 28)  # 20 % of 1,797
+    # the split is fixed by the seed: the same first test labels on every machine
+    assert test_labels[:10].tolist() == [6, 5, 5, 7, 9, 9, 8, 4, 6, 8]
 
 
 def test_fashion_mnist_missing_is_one_sentence(tmp_path):
     with pytest.raises(DataUnavailableError) as info:
         load_fashion_mnist(tmp_path, download=False)
-    message = str(info.value)
-    assert str(tmp_path) in message and "\n" not in message
+    assert str(info.value) == (
+        f"Fashion-MNIST is not in {tmp_path} and downloading was not allowed; put the four "
+        f"*-ubyte files in {tmp_path}/FashionMNIST/raw or call load_image_data() to use the offline digits."
+    )
 
 
 def test_fallback_says_which_data_set(tmp_path, monkeypatch, capsys):
@@ -105,7 +113,9 @@ def write_fashion_mnist(root):
         (raw / name).write_bytes(header + array.astype(np.uint8).tobytes())
 
     rng = np.random.default_rng(0)
-    write_idx("train-images-idx3-ubyte", rng.integers(0, 256, (3, 28, 28)))
+    train_images = rng.integers(0, 255, (3, 28, 28))
+    train_images[0, 0, 0] = 255  # the brightest pixel becomes 1.0
+    write_idx("train-images-idx3-ubyte", train_images)
     write_idx("train-labels-idx1-ubyte", np.array([1, 2, 3]))
     write_idx("t10k-images-idx3-ubyte", rng.integers(0, 256, (2, 28, 28)))
     write_idx("t10k-labels-idx1-ubyte", np.array([4, 5]))
@@ -122,10 +132,13 @@ def test_local_fashion_mnist_is_used(tmp_path, monkeypatch, capsys):
     assert result.train.tensors[0].shape == (3, 1, 28, 28)
     assert result.test.tensors[1].tolist() == [4, 5]
     images = result.train.tensors[0]
-    assert images.dtype == torch.float32 and images.max() <= 1 and images.max() > 0.9  # bytes / 255
+    assert images.dtype == torch.float32 and images.max() == 1.0  # bytes / 255
     assert result.classes[9] == "ankle boot"
     one = load_image_data(tmp_path, download=False, max_train=1, max_test=5)
     assert (len(one.train), len(one.test)) == (1, 2)
+    monkeypatch.setenv("COURSE_DATA", str(tmp_path))  # the default folder
+    assert len(load_image_data(download=False).train) == 3
+    assert len(load_fashion_mnist().test) == 2
 
 
 @pytest.fixture
@@ -144,6 +157,8 @@ def network(monkeypatch):
 
     def download(dataset):
         calls["download"] += 1
+        print("Downloading https://fashion-mnist.example/train-images-idx3-ubyte.gz")  # as torchvision does
+        print("Failed to download (trying next)", file=sys.stderr)
         write_fashion_mnist(Path(dataset.root))
 
     monkeypatch.setattr(data, "_online", online)
@@ -170,7 +185,7 @@ def test_download_when_online(tmp_path, network, monkeypatch, capsys, switch):
     if switch is not None:
         monkeypatch.setenv("COURSE_OFFLINE", switch)
     result = load_image_data(tmp_path)
-    assert capsys.readouterr().out == f"{FASHION_LINE} (downloaded).\n"
+    assert capsys.readouterr() == (f"{FASHION_LINE} (downloaded).\n", "")  # torchvision's chatter is hidden
     assert network["online"] == [()] and network["download"] == 2  # training and test set
     assert (tmp_path / "FashionMNIST" / "raw" / "t10k-labels-idx1-ubyte").exists()
     assert result.test.tensors[1].tolist() == [4, 5]
