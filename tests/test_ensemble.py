@@ -179,6 +179,7 @@ def test_compiled_vmap_step_equals_eager(spirals):
 
 @pytest.mark.timeout(300)
 def test_benchmark_ensemble_reports_every_count():
+    torch._dynamo.reset()  # no entries left by other tests' compiled vmaps (they share a code object)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     # Dynamo's limit of compiled versions is lifted to one per model count.
     with torch._dynamo.config.patch(recompile_limit=1):
