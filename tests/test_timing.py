@@ -105,6 +105,14 @@ def test_benchmark_median_and_iqr_of_the_blocks(fake_timer):
     assert timer.num_threads == torch.get_num_threads()
 
 
+def test_benchmark_passes_the_threads_on(fake_timer):
+    fake_timer += [0.01, 0.02]
+    result = benchmark(lambda: None, warmup=0, repeats=1, min_run_time=0.1, num_threads=3)
+    # one block of 0.1 s / 1 repeat / 10 ms per call = 10 calls
+    assert FakeTimer.instances[0].numbers == [1, 10]
+    assert result.threads == 3 and "3 threads" in result.hardware
+
+
 def test_benchmark_one_block_and_slow_calls(fake_timer):
     # A call slower than the whole budget: blocks of one call, never zero.
     fake_timer += [10.0, 7.0]
@@ -198,6 +206,14 @@ def test_benchmark_context_manager_syncs_at_both_ends(fake_clock, capsys):
     assert capsys.readouterr().out == "nap: 250 ms\n"
 
 
+def test_benchmark_context_manager_defaults(fake_clock, capsys):
+    b = Benchmark()
+    assert math.isnan(b.elapsed)  # nothing measured yet
+    with b:
+        pass
+    assert capsys.readouterr().out == "Done: 250 ms\n"
+
+
 def test_benchmark_context_manager_quiet(fake_clock, capsys):
     with Benchmark("nap", quiet=True) as b:
         pass
@@ -233,7 +249,21 @@ def test_format_table_aligns_and_names_hardware():
     assert len(lines) == 6 and lines[-1].startswith("Measured on: ")
 
 
+def test_format_table_names_the_threads_the_timings_used(monkeypatch):
+    monkeypatch.setattr(timing, "describe_hardware", lambda threads=None: f"test machine, threads={threads!r}")
+    one = Timing("a", 1e-3, 0.0, 7, "hw", threads=1)
+    two = Timing("b", 1e-3, 0.0, 7, "hw", threads=2)
+    rows = [{"x": "1 thread", "t": one}, {"x": "2 threads", "t": two}, {"x": "again", "t": two}]
+    assert format_table(rows).splitlines()[-1] == "Measured on: test machine, threads='1 and 2'"
+    assert format_table(rows[1:]).splitlines()[-1] == "Measured on: test machine, threads='2'"
+    assert format_table(rows, threads=4).splitlines()[-1] == "Measured on: test machine, threads=4"
+    no_timings = format_table([{"x": 1.0}])
+    assert no_timings.splitlines()[-1] == "Measured on: test machine, threads=None"  # the current setting
+
+
 def test_format_table_of_one_row():
+    # no trailing spaces where a value is wider than the last column's name
+    assert format_table([{"a": 1, "n": "long"}], hardware=False) == "a  n\n-  ----\n1  long"
     assert format_table([{"models": 8, "note": "x"}], hardware=False) == "models  note\n------  ----\n8       x"
 
 
