@@ -91,7 +91,10 @@ def test_describe_hardware_without_gpus(monkeypatch, no_gpus):
     monkeypatch.setattr(devices, "cpu_count", lambda: 2)
     monkeypatch.setattr(torch, "__version__", "2.9.1+cpu")
     # tests/conftest.py runs every test with one thread
-    assert describe_hardware().startswith("Test CPU 9000, 2 cores, no GPU, torch 2.9.1, 1 thread")
+    assert describe_hardware() == "Test CPU 9000, 2 cores, no GPU, torch 2.9.1, 1 thread"
+    assert describe_hardware("1").endswith(", 1 thread")  # a table's threads, as text
+    assert describe_hardware(4).endswith(", 4 threads")
+    assert describe_hardware("1 and 2").endswith(", 1 and 2 threads")
 
 
 def test_describe_hardware_names_each_kind_of_gpu(monkeypatch):
