@@ -99,3 +99,21 @@ def test_peak_lines_compare_equal_with_and_without_a_known_peak():
     for name in PATTERNS:  # in file order, as nbval applies them
         known, unknown = apply(name, known), apply(name, unknown)
     assert known == unknown
+
+
+def stored_outputs() -> str:
+    import json
+
+    texts = []
+    for path in sorted((CONFIG.parents[1] / "notebooks").glob("*.ipynb")):
+        for cell in json.loads(path.read_text())["cells"]:
+            for out in cell.get("outputs", []):
+                texts.append("".join(out.get("text", "")) or "".join(out.get("data", {}).get("text/plain", "")))
+    return "\n".join(texts)
+
+
+def test_every_pattern_masks_something_in_the_stored_notebooks():
+    """A pattern that matches no stored output is dead weight, or hides a typo."""
+    text = stored_outputs()
+    unused = [name for name, (regex, _) in PATTERNS.items() if not re.search(regex, text)]
+    assert unused == []
