@@ -32,7 +32,6 @@ EXAMPLES = {
     "tqdm-elapsed": ("23/23 [00:01<00:00, 17.21batch/s, loss ~1.7]", "23/23 [<elapsed>, loss ~1.7]",
                      "[rank 0] step 50/200"),
     "trailing-spaces": ("done   \nnext", "done\nnext", "a  b\n"),
-    "paths": ("/tmp/x/companion/scripts/a.py", "<path>/companion/scripts/a.py", "companion/scripts/a.py"),
     "addresses": ("<function <lambda> at 0x7f65c36c3e20>", "<function <lambda> at <address>>", "0x10"),
     "peak-memory": ("peak resident set 931 MiB", "peak resident set <memory>", "2.30 MiB saved for backward"),
     "ch04-temp-folder": ("/tmp/course-ch04-9q6edn_o/checkpoint.pt", "<workdir>/checkpoint.pt",

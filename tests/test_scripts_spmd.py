@@ -142,6 +142,7 @@ def test_an_uneven_batch_is_refused_before_training() -> None:
                            "use a multiple of 4.\n")
 
 
+@pytest.mark.slow  # chapter 11 runs the same 4-process check in make test, with verdicts
 def test_convnext_width_sharded_matches_unsharded_and_naive_is_caught() -> None:
     out = launch("convnext_sharded.py", ["--conv-mode", "halo", "replicate", "naive", "--iters", "1"],
                  nproc=4, timeout=120)  # fmt: skip
