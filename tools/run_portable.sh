@@ -29,7 +29,8 @@ nbval() {
 status=0
 echo "==> portable nbval: ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1 (${#plain[@]} notebooks)"
 ATEN_CPU_CAPABILITY=default nbval "${plain[@]}" || status=1
-echo "==> portable nbval, torch.compile notebooks: ATEN_CPU_CAPABILITY=${compile_capability:-<this CPU's>} (${#compiled[@]} notebooks)"
+label=${compile_capability:-"the CPU's own"}
+echo "==> portable nbval, torch.compile notebooks: ATEN_CPU_CAPABILITY=$label (${#compiled[@]} notebooks)"
 if [ -n "$compile_capability" ]; then
   ATEN_CPU_CAPABILITY=$compile_capability nbval "${compiled[@]}" || status=1
 else
