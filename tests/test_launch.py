@@ -102,6 +102,7 @@ def run_in_kernel(client, code: str, timeout: float = 180) -> str:
             return "".join(out)
 
 
+@pytest.mark.slow  # chapters 09 and 11 launch their scripts from a kernel in make test
 def test_from_a_notebook_kernel(kernel, tmp_path):
     _, client = kernel
     out = run_in_kernel(client, """

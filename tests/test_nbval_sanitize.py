@@ -54,6 +54,7 @@ EXAMPLES = {
         "<value> (<value> of the largest gradient); matches the unsharded model",
         "halo: activations saved for backward 0.59 MiB per process (unsharded: 2.30 MiB)",
     ),
+    "table-rules": ("variant  time\n-------  ------\n", "variant  time\n<rule>\n", "a -- b\n-1  -2\n"),
     "table-padding": ("<time>     next", "<time>~next", "8       7.58"),
 }
 

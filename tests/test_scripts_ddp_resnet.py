@@ -31,7 +31,7 @@ def data_file(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("nproc", [None, 2])  # None: plain python, no launcher
+@pytest.mark.parametrize("nproc", [pytest.param(None, marks=pytest.mark.slow), 2])  # None: plain python, no launcher
 def test_trains_and_reports(data_file: str, nproc: int | None) -> None:
     results = launch("ddp_resnet.py", ["--data", data_file, *TINY], nproc=nproc, timeout=110)
     nproc = nproc or 1
@@ -50,6 +50,7 @@ def test_trains_and_reports(data_file: str, nproc: int | None) -> None:
     assert timing["rounds"] == 2
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_first_loss_is_the_global_batch_mean(data_file: str) -> None:
     """Step 1's logged loss is the mean over the global batch, split the way DDP splits it.
@@ -89,6 +90,7 @@ def test_bad_data_file_gives_one_line(tmp_path) -> None:
         launch("ddp_resnet.py", ["--data", str(tmp_path / "missing.pt")], nproc=None, timeout=55)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_uneven_data_drops_the_last_batch_and_counts_every_test_image(tmp_path) -> None:
     """41 training images in global batches of 16: 2 steps per epoch; 13 test images over 2 ranks (7 + 6).
@@ -107,6 +109,7 @@ def test_uneven_data_drops_the_last_batch_and_counts_every_test_image(tmp_path) 
     assert results["test_accuracy_curve"][-1] == 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_synthetic_data_by_default_and_the_loss_falls() -> None:
     results = launch("ddp_resnet.py", ["--width", "4", "--epochs", "3", "--global-batch-size", "16", "--max-train",

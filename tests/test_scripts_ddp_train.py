@@ -296,6 +296,7 @@ def test_the_log_gathers_losses_every_n_steps_and_counts_epochs_from_1(tmp_path)
     assert float(logged[-1][2]) == pytest.approx(results["losses"][-1], abs=1e-4)
 
 
+@pytest.mark.slow
 def test_resuming_with_changed_settings_is_refused(one_process, tmp_path):
     import shutil
 
@@ -309,7 +310,7 @@ def test_resuming_with_changed_settings_is_refused(one_process, tmp_path):
     assert results["start_step"] == 24 and results["losses"][:24] == one_process["losses"]
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "srun", "mp.spawn"])
+@pytest.mark.parametrize("launcher", ["torchrun", "srun", pytest.param("mp.spawn", marks=pytest.mark.slow)])
 def test_two_processes_match_one(launcher, one_process, two_processes, tmp_path):
     if launcher == "torchrun":
         results = two_processes
@@ -336,6 +337,7 @@ def test_two_processes_match_one(launcher, one_process, two_processes, tmp_path)
 # ---------------------------------------------------------------- fault tolerance
 
 
+@pytest.mark.slow
 def test_killed_worker_restarts_and_resumes_from_its_checkpoint(two_processes, tmp_path):
     # Rank 1 SIGKILLs itself after step 12 (once); the newest checkpoint then is step 8.
     # Without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 the restarted workers share
@@ -398,6 +400,7 @@ def test_nccl_with_more_processes_than_gpus(nproc):
     check_one_sentence(code, stderr, "the nccl backend needs one GPU per process")
 
 
+@pytest.mark.slow
 def test_global_batch_smaller_than_world_size():
     code, _, stderr = run([*TORCHRUN, "--standalone", "--nproc-per-node=2", SCRIPT, "--global-batch-size", "1"])
     check_one_sentence(code, stderr, "the global batch (1) is smaller than the number of processes (2)")
@@ -416,6 +419,7 @@ def test_corrupt_checkpoint(tmp_path):
     check_one_sentence(code, stderr, "step-000010.pt is truncated or corrupt; delete it")
 
 
+@pytest.mark.slow
 def test_unreachable_rendezvous_is_one_sentence_within_the_timeout():
     """Rank 1, the first process of node 1 under srun, finds nobody at MASTER_ADDR:MASTER_PORT."""
     port = str(free_port())
@@ -431,6 +435,7 @@ def test_unreachable_rendezvous_is_one_sentence_within_the_timeout():
     assert "Traceback" not in stderr
 
 
+@pytest.mark.slow
 def test_a_missing_rank_is_one_sentence_from_rank_0():
     env = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "2", "SLURM_NNODES": "1",
            "MASTER_PORT": str(free_port())}  # fmt: skip
@@ -522,6 +527,7 @@ def test_sbatch_file_gives_srun_what_a_real_one_needs_on_two_nodes(tmp_path):
     assert "--nproc-per-node=4" in command and "--rdzv-id=123456" in command
 
 
+@pytest.mark.slow
 def test_sbatch_file_trains_with_stand_ins_for_slurm(tmp_path):
     """Run the batch file with bash: ``srun`` checks its options and runs the command once."""
     env = {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "127.0.0.1", "SLURM_NNODES": "1", "SLURM_GPUS_ON_NODE": "2",

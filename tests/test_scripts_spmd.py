@@ -122,9 +122,9 @@ def test_data_parallel_variants_match_ddp_with_four_processes() -> None:
 
 @pytest.mark.parametrize("tolerance, expected", [
     ("1e-30", "ended .* from DDP, beyond --tolerance 1e-30"),  # after 2 steps some method differs a little
-    pytest.param("10", "a no-sync control ended only .* within --tolerance 10, so the comparison cannot tell",
-                 marks=pytest.mark.slow),
+    ("10", "a no-sync control ended only .* within --tolerance 10, so the comparison cannot tell"),
 ])  # fmt: skip
+@pytest.mark.slow
 def test_a_missed_tolerance_exits_with_code_3(tolerance, expected, capsys) -> None:
     with pytest.raises(LaunchError, match="exit code"):
         launch("spmd_data_parallel.py", ["--steps", "2", "--batch-size", "32", "--tolerance", tolerance],

@@ -17,9 +17,13 @@ step() {
 }
 
 # Heavy multi-process tests (marked slow) run in `make test-slow`; CI runs both.
-step "tests and notebooks (pytest + nbval)" \
-  $BIN/pytest tests notebooks -m "not slow" --nbval --nbval-current-env \
-  --nbval-sanitize-with tests/nbval_sanitize.cfg --durations=15
+# The unit and script tests run two at a time (pytest-xdist); the notebooks
+# run alone afterwards, because their verdicts time code on an idle machine.
+step "unit and script tests (pytest, 2 at a time)" \
+  $BIN/pytest tests -m "not slow" -n 2 --durations=10
+step "notebooks (nbval, one at a time)" \
+  $BIN/pytest notebooks --nbval --nbval-current-env \
+  --nbval-sanitize-with tests/nbval_sanitize.cfg --durations=10
 step "book build (-W -n --keep-going)" \
   $BIN/jupyter-book build . -W -n --keep-going
 
