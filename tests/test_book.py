@@ -84,3 +84,30 @@ def test_notebook_is_stored_executed_without_errors(nb):
             continue
         errors = [o for o in cell["outputs"] if o["output_type"] == "error"]
         assert not errors, f"{nb.name} stores an error: {errors[0]['ename']}"
+
+
+def test_buttons_follow_the_repository_address():
+    """No address: no repository, Binder or Colab button; an address: all three."""
+    import sys
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(ROOT / "book" / "_ext"))
+    try:
+        from repository_buttons import enable_buttons
+    finally:
+        sys.path.pop(0)
+    unset = SimpleNamespace(html_theme_options={"repository_url": "", "use_download_button": True})
+    enable_buttons(None, unset)
+    assert unset.html_theme_options == {"repository_url": "", "use_download_button": True,
+                                        "use_repository_button": False, "launch_buttons": {}}
+    fork = SimpleNamespace(html_theme_options={"repository_url": "https://github.com/you/course"})
+    enable_buttons(None, fork)
+    assert fork.html_theme_options["use_repository_button"] is True
+    assert fork.html_theme_options["launch_buttons"]["colab_url"] == "https://colab.research.google.com"
+    assert fork.html_theme_options["launch_buttons"]["binderhub_url"] == "https://mybinder.org"
+
+
+def test_book_settings_keep_buttons_off_without_an_address():
+    config = yaml.safe_load((ROOT / "_config.yml").read_text())
+    assert "launch_buttons" not in config and "use_repository_button" not in config["html"]
+    assert "repository_buttons" in config["sphinx"]["extra_extensions"]
