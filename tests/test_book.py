@@ -110,4 +110,4 @@ def test_buttons_follow_the_repository_address():
 def test_book_settings_keep_buttons_off_without_an_address():
     config = yaml.safe_load((ROOT / "_config.yml").read_text())
     assert "launch_buttons" not in config and "use_repository_button" not in config["html"]
-    assert "repository_buttons" in config["sphinx"]["extra_extensions"]
+    assert "repository_buttons" in config["sphinx"]["local_extensions"]
