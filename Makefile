@@ -8,7 +8,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: book test test-slow test-portable unit notebooks execute doctor clean
+.PHONY: book test test-slow test-portable test-browser unit notebooks execute doctor clean
 
 $(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,13 @@ test-slow: $(STAMP)
 # nbval again under another CPU kernel path and thread count (see the script).
 test-portable: $(STAMP)
 	bash tools/run_portable.sh
+
+# The built book in headless Chromium: images, links, console, block widths,
+# output blocks, progress bars, captions, offline math, launch buttons; and
+# screenshots of every chapter in _build/screenshots (tools/browser_check.py).
+test-browser: $(STAMP)
+	$(BIN)/jupyter-book build . -W -n --keep-going > /dev/null
+	$(BIN)/python tools/browser_check.py
 
 unit: $(STAMP)
 	$(BIN)/pytest tests

@@ -2,6 +2,7 @@
 executed, and every file the prose tells readers to run exists."""
 
 import json
+import sys
 import re
 from pathlib import Path
 
@@ -111,3 +112,13 @@ def test_book_settings_keep_buttons_off_without_an_address():
     config = yaml.safe_load((ROOT / "_config.yml").read_text())
     assert "launch_buttons" not in config and "use_repository_button" not in config["html"]
     assert "repository_buttons" in config["sphinx"]["local_extensions"]
+
+
+def test_notebook_code_is_formatted_to_fit_the_column():
+    """`ruff format notebooks` (line length 88, see pyproject.toml) leaves nothing to change."""
+    import shutil
+    import subprocess
+
+    ruff = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
+    done = subprocess.run([ruff, "format", "--check", "notebooks"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -27,8 +27,6 @@ EXAMPLES = {
         "✓ matches DDP (within 1e-05): yes",
     ),
     "approximate": ("test accuracy ~0.953", "test accuracy ~<approx>", "test accuracy 0.953"),
-    "tqdm-intermediate-states": ("epoch 1:  30%|###\repoch 1: 100%", "<progress>epoch 1: 100%",
-                                 "epoch 1: 100%\r\n"),
     "tqdm-elapsed": ("23/23 [00:01<00:00, 17.21batch/s, loss ~1.7]", "23/23 [<elapsed>, loss ~1.7]",
                      "[rank 0] step 50/200"),
     "trailing-spaces": ("done   \nnext", "done\nnext", "a  b\n"),

@@ -30,8 +30,10 @@ def data_file(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(path)
 
 
+# None: plain python, no launcher. Both slow: chapter 08 launches the script with 1 and 2 processes in make test.
+@pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("nproc", [pytest.param(None, marks=pytest.mark.slow), 2])  # None: plain python, no launcher
+@pytest.mark.parametrize("nproc", [None, 2])
 def test_trains_and_reports(data_file: str, nproc: int | None) -> None:
     results = launch("ddp_resnet.py", ["--data", data_file, *TINY], nproc=nproc, timeout=110)
     nproc = nproc or 1

@@ -310,7 +310,9 @@ def test_resuming_with_changed_settings_is_refused(one_process, tmp_path):
     assert results["start_step"] == 24 and results["losses"][:24] == one_process["losses"]
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "srun", pytest.param("mp.spawn", marks=pytest.mark.slow)])
+# torchrun and mp.spawn are slow: chapter 09 compares both with one process in make test.
+@pytest.mark.parametrize("launcher", [pytest.param("torchrun", marks=pytest.mark.slow), "srun",
+                                      pytest.param("mp.spawn", marks=pytest.mark.slow)])
 def test_two_processes_match_one(launcher, one_process, two_processes, tmp_path):
     if launcher == "torchrun":
         results = two_processes

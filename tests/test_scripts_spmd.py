@@ -83,6 +83,7 @@ def test_dtensor_basics_four_processes() -> None:
     assert collectives["Partial() -> Shard(0)"] == {"reduce_scatter_tensor": 1}
 
 
+@pytest.mark.slow  # chapter 11 runs dtensor_basics.py on 4 processes in make test, with verdicts
 def test_dtensor_basics_two_processes(basics2) -> None:
     out = basics2
     full = np.array(out["full"])
@@ -98,6 +99,7 @@ def test_dtensor_basics_two_processes(basics2) -> None:
     assert collectives["Partial() -> Shard(0)"] == {"reduce_scatter_tensor": 1}
 
 
+@pytest.mark.slow  # chapter 11 runs spmd_data_parallel.py on 4 processes in make test, with verdicts
 def test_data_parallel_variants_match_ddp(dp2) -> None:
     rows = dp2["rows"]
     assert {(r["model"], r["optimizer"]) for r in rows} >= {("batch dim 1", "Adam lr=0.1 fused")}

@@ -12,6 +12,10 @@ working folder. Outputs are stored only when they can be trusted:
   wrong number, and the prose around it becomes false);
 - every verdict the notebook printed must hold (no line starting with ``✗``).
 
+Stored stream outputs are tidied as nbval compares them and as a terminal
+shows them: one block per stream and cell, and text overwritten by a carriage
+return (a progress bar's earlier states) dropped.
+
 After a successful run, the chapter's "verified on" line (a Markdown cell
 tagged ``verified-on``, after the overview) is rewritten with the CPU, cores
 and threads, torch version, date and the notebook's wall time.
@@ -31,6 +35,7 @@ import nbformat
 import psutil
 import torch
 from nbclient import NotebookClient
+from nbval.plugin import coalesce_streams
 
 VERIFIED_TAG = "verified-on"
 
@@ -141,6 +146,13 @@ def write_verified_line(nb: nbformat.NotebookNode, text: str) -> None:
     nb.cells.insert(first_markdown + 1, cell)
 
 
+def tidy_streams(nb: nbformat.NotebookNode) -> None:
+    """One output per stream and cell, with carriage returns applied (nbval's own rules)."""
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs = coalesce_streams(cell.outputs)
+
+
 def execute(path: Path) -> float:
     """Execute the notebook at ``path``; store it if every verdict holds. Return the seconds."""
     nb = nbformat.read(path, as_version=4)
@@ -156,6 +168,7 @@ def execute(path: Path) -> float:
             f"{len(failed)} verdict(s) do not hold, so the outputs were not stored: "
             + "; ".join(failed)
         )
+    tidy_streams(nb)
     write_verified_line(nb, verified_line(elapsed))
     nbformat.write(nb, path)
     return elapsed

@@ -27,5 +27,7 @@ step "notebooks (nbval, one at a time)" \
 step "book build (-W -n --keep-going)" \
   $BIN/jupyter-book build . -W -n --keep-going
 
+# Without Chromium the browser check's tests were skipped: say so in one line.
+$BIN/python -c "import sys; sys.path.insert(0, 'tools'); import browser_check as b; b.chromium_paths() or print(b.INSTALL_HINT)"
 echo "Total test time: $((SECONDS - start)) s"
 exit $status
