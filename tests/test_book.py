@@ -2,9 +2,12 @@
 executed, and every file the prose tells readers to run exists."""
 
 import json
-import sys
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -89,9 +92,6 @@ def test_notebook_is_stored_executed_without_errors(nb):
 
 def test_buttons_follow_the_repository_address():
     """No address: no repository, Binder or Colab button; an address: all three."""
-    import sys
-    from types import SimpleNamespace
-
     sys.path.insert(0, str(ROOT / "book" / "_ext"))
     try:
         from repository_buttons import enable_buttons
@@ -116,9 +116,6 @@ def test_book_settings_keep_buttons_off_without_an_address():
 
 def test_notebook_code_is_formatted_to_fit_the_column():
     """`ruff format notebooks` (line length 88, see pyproject.toml) leaves nothing to change."""
-    import shutil
-    import subprocess
-
     ruff = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
     done = subprocess.run([ruff, "format", "--check", "notebooks"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
