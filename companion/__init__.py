@@ -44,6 +44,7 @@ from companion.verdicts import (
     check_faster,
     check_not_faster,
     check_range,
+    check_speed_ups_at_most,
     compare_speed,
 )
 
@@ -66,6 +67,7 @@ __all__ = [
     "check_faster",
     "check_not_faster",
     "check_range",
+    "check_speed_ups_at_most",
     "compare_speed",
     "cpu_count",
     "describe_hardware",

@@ -78,6 +78,19 @@ class Timing:
         return cls(label, statistics.median(times), q3 - q1, len(times),
                    describe_hardware(threads), threads)
 
+    def __add__(self, other: Timing) -> Timing:
+        """The two measured calls one after the other: medians add, and so do IQRs.
+
+        Adding the IQRs bounds the spread of the sum from above, so a verdict
+        against the sum errs on the side of "no measurable difference".
+        """
+        if not isinstance(other, Timing):
+            return NotImplemented
+        threads = self.threads if self.threads == other.threads else 0
+        hardware = self.hardware if self.hardware == other.hardware else f"{self.hardware}; {other.hardware}"
+        return Timing(f"{self.label} + {other.label}", self.median + other.median,
+                      self.iqr + other.iqr, min(self.runs, other.runs), hardware, threads)
+
     def __str__(self) -> str:
         return (
             f"{self.label}: {format_time(self.median)} per call "

@@ -41,6 +41,7 @@ __all__ = [
     "compare_speed",
     "check_faster",
     "check_not_faster",
+    "check_speed_ups_at_most",
 ]
 
 # Relative noise assumed even when a run's repeats agree closely: the spread
@@ -183,3 +184,22 @@ def check_not_faster(claim: str, candidate: Timing, reference: Timing) -> Verdic
     """Is ``candidate`` not measurably faster than ``reference`` (equal within noise, or slower)?"""
     c = compare_speed(candidate, reference)
     return check(claim, c.outcome != "faster", c.evidence)
+
+
+def check_speed_ups_at_most(
+    claim: str, candidates: Iterable[Timing], reference: Timing, *, at_most: float
+) -> Verdict:
+    """Is every candidate's speed-up over ``reference`` at most ``at_most``, within the noise?
+
+    The mirror of ``check_faster``: a candidate breaks the bound only if its
+    speed-up divided by (1 + noise) is still above ``at_most``. The evidence is
+    the candidate that came closest to breaking it.
+    """
+    if at_most < 1:
+        raise ValueError(f"at_most is a speed-up, 1 or more, not {at_most}.")
+    comparisons = [compare_speed(candidate, reference) for candidate in candidates]
+    if not comparisons:
+        raise ValueError("No candidate timings to compare.")
+    closest = max(comparisons, key=lambda c: c.ratio / (1 + c.noise))
+    holds = closest.ratio / (1 + closest.noise) <= at_most
+    return check(f"{claim} (at most {at_most:g}x, within the noise)", holds, f"largest {closest.evidence}")

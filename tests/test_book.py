@@ -119,3 +119,10 @@ def test_notebook_code_is_formatted_to_fit_the_column():
     ruff = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
     done = subprocess.run([ruff, "format", "--check", "notebooks"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_notebook_code_has_no_unused_names():
+    """`ruff check --select F notebooks` (pyflakes: unused imports, undefined names) finds nothing."""
+    ruff = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
+    done = subprocess.run([ruff, "check", "--select", "F", "notebooks"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr

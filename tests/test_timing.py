@@ -35,6 +35,18 @@ def test_timing_str_names_median_spread_and_runs():
     assert str(Timing("sleep", 0.0123, 4.56e-5, 7, "hw")) == "sleep: 12.3 ms per call (IQR 45.6 us, 7 runs)"
 
 
+def test_timings_add_up_as_calls_made_one_after_the_other():
+    a = Timing("a", 0.010, 0.001, 7, "hw, 2 threads", 2)
+    b = Timing("b", 0.030, 0.004, 5, "hw, 2 threads", 2)
+    both = a + b
+    assert (both.label, both.runs, both.hardware, both.threads) == ("a + b", 5, "hw, 2 threads", 2)
+    assert both.median == pytest.approx(0.040) and both.iqr == pytest.approx(0.005)
+    mixed = a + Timing("c", 0.02, 0.0, 3, "hw, 1 thread", 1)
+    assert (mixed.threads, mixed.hardware) == (0, "hw, 2 threads; hw, 1 thread")
+    with pytest.raises(TypeError):
+        a + 1.0
+
+
 class FakeTimer:
     """Stands in for torch.utils.benchmark.Timer: returns the medians it is given.
 

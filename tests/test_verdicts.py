@@ -12,6 +12,7 @@ from companion.verdicts import (
     check_close,
     check_faster,
     check_not_faster,
+    check_speed_ups_at_most,
     check_range,
     compare_speed,
 )
@@ -110,6 +111,20 @@ def test_check_not_faster_accepts_equal_and_slower():
     assert check_not_faster("n", timing(1.0), timing(1.03)).holds  # within noise
     assert check_not_faster("n", timing(2.0), timing(1.0)).holds  # slower
     assert not check_not_faster("n", timing(1.0), timing(1.5)).holds  # clearly faster
+
+
+def test_check_speed_ups_at_most_allows_the_noise_and_names_the_closest():
+    reference = timing(3.0)
+    within = check_speed_ups_at_most("s", [timing(2.0), timing(3.3)], reference, at_most=1.5)
+    assert within.holds and within.claim == "s (at most 1.5x, within the noise)"
+    assert within.evidence == "largest 1.50×, noise ±5%"
+    # 3.2 / 2.0 = 1.6 is above 1.5 but within 1.5 x 1.1, with 5 % spread on each side.
+    assert check_speed_ups_at_most("s", [timing(2.0, 0.1)], timing(3.2, 0.16), at_most=1.5).holds
+    assert not check_speed_ups_at_most("s", [timing(3.0), timing(1.0)], reference, at_most=2).holds
+    with pytest.raises(ValueError, match="at_most"):
+        check_speed_ups_at_most("s", [timing(1.0)], reference, at_most=0.5)
+    with pytest.raises(ValueError, match="No candidate"):
+        check_speed_ups_at_most("s", [], reference, at_most=2)
 
 
 def test_timing_from_samples_median_and_iqr():
