@@ -60,7 +60,9 @@ def save_checkpoint(
         state["optimizer"] = optimizer.state_dict()
     # The temporary file lives in the same folder: os.replace is only atomic
     # within one file system.
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp_name = tempfile.mkstemp(
+        prefix=f".{path.name}.", suffix=".tmp", dir=path.parent
+    )
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(state, f)
@@ -72,7 +74,8 @@ def save_checkpoint(
         if not isinstance(exc, Exception):
             raise
         raise CheckpointError(
-            f"Could not write the checkpoint {path} ({type(exc).__name__}: {_first_line(exc)}); "
+            f"Could not write the checkpoint {path} ({type(exc).__name__}: "
+            f"{_first_line(exc)}); "
             f"any previous checkpoint there is unchanged."
         ) from exc
     return path
@@ -134,7 +137,8 @@ def load_checkpoint(
 
 def _corrupt(path: Path) -> CheckpointError:
     return CheckpointError(
-        f"{path} is truncated or corrupt and was not loaded (the file is left as it is); "
+        f"{path} is truncated or corrupt and was not loaded (the file is left as it "
+        "is); "
         f"load an earlier checkpoint or train again."
     )
 

@@ -87,6 +87,7 @@ def run_python(code: str, cwd: str | Path | None = None, timeout: float = 120.0)
     if done.returncode != 0:
         lines = done.stderr.strip().splitlines() or ["(no error message)"]
         raise FreshProcessError(
-            f"The fresh Python process failed (exit code {done.returncode}): {lines[-1]}"
+            f"The fresh Python process failed (exit code {done.returncode}): "
+            f"{lines[-1]}"
         )
     return done.stdout

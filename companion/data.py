@@ -56,7 +56,8 @@ class ToyDataset(Dataset):
     def __init__(self, features: torch.Tensor, labels: torch.Tensor) -> None:
         if len(features) != len(labels):
             raise ValueError(
-                f"features and labels differ in length ({len(features)} vs {len(labels)})."
+                f"features and labels differ in length ({len(features)} vs "
+                f"{len(labels)})."
             )
         self.features = features
         self.labels = labels
@@ -70,7 +71,9 @@ class ToyDataset(Dataset):
 
 def make_toy_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Return ``X_train, y_train, X_test, y_test``: two well separated classes in 2-D."""
-    X_train = torch.tensor([[-1.2, 3.1], [-0.9, 2.9], [-0.5, 2.6], [2.3, -1.1], [2.7, -1.5]])
+    X_train = torch.tensor(
+        [[-1.2, 3.1], [-0.9, 2.9], [-0.5, 2.6], [2.3, -1.1], [2.7, -1.5]]
+    )
     y_train = torch.tensor([0, 0, 0, 1, 1])
     X_test = torch.tensor([[-0.8, 2.8], [2.6, -1.6]])
     y_test = torch.tensor([0, 1])
@@ -111,8 +114,10 @@ class ImageData:
 
     def __str__(self) -> str:
         return (
-            f"{self.name}: {len(self.train):,} training and {len(self.test):,} test images, "
-            f"{len(self.classes)} classes, shape {tuple(self.train.tensors[0].shape[1:])}"
+            f"{self.name}: {len(self.train):,} training and {len(self.test):,} test "
+            "images, "
+            f"{len(self.classes)} classes, shape "
+            f"{tuple(self.train.tensors[0].shape[1:])}"
         )
 
 
@@ -138,7 +143,9 @@ def load_digits(size: int = 28, test_fraction: float = 0.2, seed: int = 0) -> Im
 
     digits = sklearn_digits()
     images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    images = F.interpolate(images, size=(size, size), mode="bilinear", align_corners=False)
+    images = F.interpolate(
+        images, size=(size, size), mode="bilinear", align_corners=False
+    )
     labels = torch.tensor(digits.target, dtype=torch.long)
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
     n_test = int(len(labels) * test_fraction)
@@ -151,7 +158,9 @@ def load_digits(size: int = 28, test_fraction: float = 0.2, seed: int = 0) -> Im
     )
 
 
-def load_fashion_mnist(root: str | Path | None = None, download: bool = False) -> ImageData:
+def load_fashion_mnist(
+    root: str | Path | None = None, download: bool = False
+) -> ImageData:
     """Return Fashion-MNIST from ``root`` (default ``default_data_root()``).
 
     Raises:
@@ -164,23 +173,33 @@ def load_fashion_mnist(root: str | Path | None = None, download: bool = False) -
     try:
         # torchvision prints download progress and mirror failures: keep them
         # out of the notebook; the exception below says what went wrong.
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        with (
+            contextlib.redirect_stdout(io.StringIO()),
+            contextlib.redirect_stderr(io.StringIO()),
+        ):
             train = datasets.FashionMNIST(root, train=True, download=download)
             test = datasets.FashionMNIST(root, train=False, download=download)
     except (RuntimeError, OSError) as exc:
-        how = "and the download failed" if download else "and downloading was not allowed"
+        how = (
+            "and the download failed" if download else "and downloading was not allowed"
+        )
         raise DataUnavailableError(
             f"Fashion-MNIST is not in {root} {how}; put the four *-ubyte files in "
-            f"{root}/FashionMNIST/raw or call load_image_data() to use the offline digits."
+            f"{root}/FashionMNIST/raw or call load_image_data() to use the offline "
+            "digits."
         ) from exc
 
     def to_tensors(ds) -> TensorDataset:
         return TensorDataset(ds.data.unsqueeze(1).float() / 255.0, ds.targets.long())
 
-    return ImageData("Fashion-MNIST", to_tensors(train), to_tensors(test), FASHION_MNIST_CLASSES)
+    return ImageData(
+        "Fashion-MNIST", to_tensors(train), to_tensors(test), FASHION_MNIST_CLASSES
+    )
 
 
-def _online(address: tuple[str, int] = FASHION_MNIST_HOST, timeout: float = 2.0) -> bool:
+def _online(
+    address: tuple[str, int] = FASHION_MNIST_HOST, timeout: float = 2.0
+) -> bool:
     try:
         with socket.create_connection(address, timeout=timeout):
             return True

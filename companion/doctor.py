@@ -69,16 +69,25 @@ def _advice(report: dict[str, str]) -> list[str]:
     gpus = int(report["GPUs"])
     if gpus == 0:
         lines = [
-            "No GPU: every chapter runs on the CPU; multi-device chapters use "
-            "CPU replicas or gloo processes, which show the algorithms but not speed-ups.",
+            (
+                "No GPU: every chapter runs on the CPU; multi-device chapters use "
+                "CPU replicas or gloo processes, which show the algorithms but not "
+                "speed-ups."
+            ),
         ]
     elif gpus == 1:
-        lines = ["One GPU: chapters run on cuda:0; multi-device chapters fall back to processes on it."]
+        lines = [
+            (
+                "One GPU: chapters run on cuda:0; multi-device chapters fall back to "
+                "processes on it."
+            )
+        ]
     else:
         lines = [f"{gpus} GPUs: multi-device chapters use real GPUs and nccl."]
     if cpu_count() < 4:
         lines.append(
-            f"Only {cpu_count()} CPU cores: run at most {cpu_count()} processes at once, "
+            f"Only {cpu_count()} CPU cores: run at most {cpu_count()} processes at "
+            "once, "
             "one thread each (torchrun sets OMP_NUM_THREADS=1)."
         )
     return lines

@@ -19,7 +19,9 @@ __all__ = ["piece_offsets", "plot_placements"]
 _SHARD = re.compile(r"^Shard\((\d+)\)$")
 
 
-def piece_offsets(placement: str, pieces: Sequence[Sequence[Sequence[float]]]) -> list[tuple[int, int]]:
+def piece_offsets(
+    placement: str, pieces: Sequence[Sequence[Sequence[float]]]
+) -> list[tuple[int, int]]:
     """Return where each rank's piece starts (row, column) in the global matrix.
 
     ``Shard(d)`` pieces follow each other in rank order along dim ``d``;
@@ -33,7 +35,10 @@ def piece_offsets(placement: str, pieces: Sequence[Sequence[Sequence[float]]]) -
     if placement in ("Replicate()", "Partial()"):
         return [(0, 0)] * len(pieces)
     if match is None or int(match.group(1)) > 1:
-        raise ValueError(f"Cannot draw placement {placement!r}: use Shard(0), Shard(1), Replicate() or Partial().")
+        raise ValueError(
+            f"Cannot draw placement {placement!r}: use Shard(0), Shard(1), Replicate() "
+            "or Partial()."
+        )
     dim, offsets, start = int(match.group(1)), [], 0
     for piece in pieces:
         offsets.append((start, 0) if dim == 0 else (0, start))
@@ -41,7 +46,9 @@ def piece_offsets(placement: str, pieces: Sequence[Sequence[Sequence[float]]]) -
     return offsets
 
 
-def plot_placements(layouts: Sequence[Mapping[str, Any]], *, cell: float = 0.32) -> Figure:
+def plot_placements(
+    layouts: Sequence[Mapping[str, Any]], *, cell: float = 0.32
+) -> Figure:
     """One row per layout, one column per rank; each panel shades the rank's piece.
 
     Args:
@@ -50,11 +57,16 @@ def plot_placements(layouts: Sequence[Mapping[str, Any]], *, cell: float = 0.32)
         cell: size of one matrix element in inches.
     """
     n_ranks = len(layouts[0]["locals"])
-    rows, cols = max(l["global_shape"][0] for l in layouts), max(l["global_shape"][1] for l in layouts)
+    rows, cols = (
+        max(l["global_shape"][0] for l in layouts),
+        max(l["global_shape"][1] for l in layouts),
+    )
     fig, axes = plt.subplots(
-        len(layouts), n_ranks, figsize=(n_ranks * (cols + 1) * cell, len(layouts) * (rows + 1.6) * cell),
+        len(layouts),
+        n_ranks,
+        figsize=(n_ranks * (cols + 1) * cell, len(layouts) * (rows + 1.6) * cell),
         squeeze=False,
-    )  # fmt: skip
+    )
     colours = plt.get_cmap("tab10")
     for i, layout in enumerate(layouts):
         g_rows, g_cols = layout["global_shape"]
@@ -62,19 +74,32 @@ def plot_placements(layouts: Sequence[Mapping[str, Any]], *, cell: float = 0.32)
         for rank, (piece, (r0, c0)) in enumerate(zip(layout["locals"], offsets)):
             ax = axes[i][rank]
             held = np.zeros((g_rows, g_cols, 4))
-            held[..., :3] = 0.93  # light grey: part of the global matrix this rank does not hold
+            held[..., :3] = (
+                0.93  # light grey: part of the global matrix this rank does not hold
+            )
             held[..., 3] = 1.0
             values = np.asarray(piece, dtype=float).reshape(len(piece), -1)
-            held[r0 : r0 + values.shape[0], c0 : c0 + values.shape[1]] = colours(rank % 10, alpha=0.45)
+            held[r0 : r0 + values.shape[0], c0 : c0 + values.shape[1]] = colours(
+                rank % 10, alpha=0.45
+            )
             ax.imshow(held, extent=(0, g_cols, g_rows, 0))
             for (r, c), v in np.ndenumerate(values):
-                ax.text(c0 + c + 0.5, r0 + r + 0.5, f"{v:g}", ha="center", va="center", fontsize=6.5)
+                ax.text(
+                    c0 + c + 0.5,
+                    r0 + r + 0.5,
+                    f"{v:g}",
+                    ha="center",
+                    va="center",
+                    fontsize=6.5,
+                )
             ax.set_xticks(range(g_cols + 1), labels=[])
             ax.set_yticks(range(g_rows + 1), labels=[])
             ax.tick_params(length=0)
             ax.grid(color="white", linewidth=1)
             ax.set_title(f"rank {rank}", fontsize=8)
             if rank == 0:
-                ax.set_ylabel(layout["label"], fontsize=8, rotation=0, ha="right", va="center")
+                ax.set_ylabel(
+                    layout["label"], fontsize=8, rotation=0, ha="right", va="center"
+                )
     fig.set_layout_engine("constrained")
     return fig

@@ -36,7 +36,13 @@ from torch import nn
 from torch.func import functional_call, grad_and_value, stack_module_state, vmap
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from companion.timing import Benchmark, benchmark, format_ratio, format_table, format_time
+from companion.timing import (
+    Benchmark,
+    benchmark,
+    format_ratio,
+    format_table,
+    format_time,
+)
 from companion.verdicts import Verdict, check_faster
 
 __all__ = [
@@ -72,7 +78,9 @@ TrainStep = Callable[
 class MLP(nn.Module):
     """Two fully connected layers with a ReLU between: 2-D points to class logits."""
 
-    def __init__(self, hidden_dim: int = 32, n_classes: int = 2, in_features: int = 2) -> None:
+    def __init__(
+        self, hidden_dim: int = 32, n_classes: int = 2, in_features: int = 2
+    ) -> None:
         super().__init__()
         self.fc1 = nn.Linear(in_features, hidden_dim)
         self.fc2 = nn.Linear(hidden_dim, n_classes)
@@ -91,14 +99,16 @@ class SGD:
         """Return the (empty) optimiser state: SGD remembers nothing."""
         return {}
 
-    def update(self, params: Params, grads: Params, state: OptState) -> tuple[Params, OptState]:
+    def update(
+        self, params: Params, grads: Params, state: OptState
+    ) -> tuple[Params, OptState]:
         """Return new parameters and the new state; the inputs are not modified."""
         return {k: p - self.lr * grads[k] for k, p in params.items()}, state
 
 
 @dataclass(frozen=True)
 class Adam:
-    """Adam (Kingma and Ba, 2015), the same update as ``torch.optim.Adam``, as a pure function."""
+    """Adam (Kingma and Ba, 2015) as a pure function: ``torch.optim.Adam``'s update."""
 
     lr: float = 0.01
     betas: tuple[float, float] = (0.9, 0.999)
@@ -114,7 +124,9 @@ class Adam:
             "exp_avg_sq": {k: torch.zeros_like(p) for k, p in params.items()},
         }
 
-    def update(self, params: Params, grads: Params, state: OptState) -> tuple[Params, OptState]:
+    def update(
+        self, params: Params, grads: Params, state: OptState
+    ) -> tuple[Params, OptState]:
         """Return new parameters and the new state; the inputs are not modified."""
         beta1, beta2 = self.betas
         step = state["step"] + 1
@@ -137,7 +149,9 @@ Optimizer = Union[SGD, Adam]
 
 
 def make_train_step(model: nn.Module, optimizer: Optimizer) -> TrainStep:
-    """Return ``train_step(params, opt_state, inputs, targets) -> (loss, params, opt_state)``.
+    """Return ``train_step(params, opt_state, inputs, targets)``.
+
+    It returns ``(loss, params, opt_state)``.
 
     ``model`` only provides the architecture: its own parameters are never
     used or changed. The step is a pure function, so ``vmap`` can map it over
@@ -145,7 +159,9 @@ def make_train_step(model: nn.Module, optimizer: Optimizer) -> TrainStep:
     data, of ``inputs`` and ``targets``), and ``torch.compile`` can fuse it.
     """
 
-    def compute_loss(params: Params, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def compute_loss(
+        params: Params, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> torch.Tensor:
         logits = functional_call(model, params, (inputs,))
         return F.cross_entropy(logits, targets)
 
@@ -189,7 +205,9 @@ def init_ensemble(
 def unstack(tree: Any, num_models: int) -> list[Any]:
     """Split a pytree whose tensors have a leading model dim into ``num_models`` pytrees."""
     leaves, spec = tree_flatten(tree)
-    return [tree_unflatten([leaf[i] for leaf in leaves], spec) for i in range(num_models)]
+    return [
+        tree_unflatten([leaf[i] for leaf in leaves], spec) for i in range(num_models)
+    ]
 
 
 def stack(trees: Sequence[Any]) -> Any:
@@ -198,7 +216,11 @@ def stack(trees: Sequence[Any]) -> Any:
 
 
 def sample_subsets(
-    num_models: int, num_points: int, subset_size: int, *, generator: torch.Generator | None = None
+    num_models: int,
+    num_points: int,
+    subset_size: int,
+    *,
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Return indices of shape ``(num_models, subset_size)``: a random subset per model.
 
@@ -206,7 +228,9 @@ def sample_subsets(
     drawn independently for each model.
     """
     if not 0 < subset_size <= num_points:
-        raise ValueError(f"subset_size must be between 1 and {num_points}, not {subset_size}.")
+        raise ValueError(
+            f"subset_size must be between 1 and {num_points}, not {subset_size}."
+        )
     scores = torch.rand(num_models, num_points, generator=generator)
     return scores.argsort(dim=1)[:, :subset_size]
 
@@ -249,7 +273,9 @@ def train_vmap(
     generator = torch.Generator().manual_seed(seed)
     losses = []
     for _ in range(num_steps):
-        inputs, targets = _draw_batch(points, labels, num_models, subset_size, generator)
+        inputs, targets = _draw_batch(
+            points, labels, num_models, subset_size, generator
+        )
         loss, params, opt_state = batched_step(params, opt_state, inputs, targets)
         losses.append(loss)
     return torch.stack(losses), params, opt_state
@@ -277,7 +303,9 @@ def train_loop(
     generator = torch.Generator().manual_seed(seed)
     losses = []
     for _ in range(num_steps):
-        inputs, targets = _draw_batch(points, labels, num_models, subset_size, generator)
+        inputs, targets = _draw_batch(
+            points, labels, num_models, subset_size, generator
+        )
         step_losses = []
         for i, (p, s) in enumerate(models):
             if subset_size is None:
@@ -313,7 +341,12 @@ def _module_loop(
     models = [MLP().to(inputs.device) for _ in range(num_models)]
     if isinstance(optimizer, Adam):
         optimizers = [
-            torch.optim.Adam(m.parameters(), lr=optimizer.lr, betas=optimizer.betas, eps=optimizer.eps)
+            torch.optim.Adam(
+                m.parameters(),
+                lr=optimizer.lr,
+                betas=optimizer.betas,
+                eps=optimizer.eps,
+            )
             for m in models
         ]
     else:
@@ -343,7 +376,9 @@ def _time_four_ways(
     """Time one step of n models four ways: module loop, functional loop, vmap, compiled vmap."""
     n = inputs.shape[0]
     per_model = list(
-        zip(unstack(params, n), unstack(opt_state, n), inputs.unbind(), targets.unbind())
+        zip(
+            unstack(params, n), unstack(opt_state, n), inputs.unbind(), targets.unbind()
+        )
     )
 
     def loop() -> None:
@@ -355,13 +390,19 @@ def _time_four_ways(
 
     args = (params, opt_state, inputs, targets)
     module_time = benchmark(
-        _module_loop(n, optimizer, inputs, targets), label=f"module loop, {n} models",
+        _module_loop(n, optimizer, inputs, targets),
+        label=f"module loop, {n} models",
         min_run_time=min_run_time,
     )
     loop_time = benchmark(loop, label=f"loop, {n} models", min_run_time=min_run_time)
-    vmap_time = benchmark(vmap(step), *args, label=f"vmap, {n} models", min_run_time=min_run_time)
+    vmap_time = benchmark(
+        vmap(step), *args, label=f"vmap, {n} models", min_run_time=min_run_time
+    )
     compiled_time = benchmark(
-        compiled_vmap, *args, label=f"compiled vmap, {n} models", min_run_time=min_run_time
+        compiled_vmap,
+        *args,
+        label=f"compiled vmap, {n} models",
+        min_run_time=min_run_time,
     )
     return {
         "models": n,
@@ -398,14 +439,20 @@ def benchmark_ensemble(
     Everything runs with the current ``torch.get_num_threads()``.
     """
     if not model_counts or min(model_counts) < 1:
-        raise ValueError(f"model_counts must be positive numbers of models, not {model_counts}.")
+        raise ValueError(
+            f"model_counts must be positive numbers of models, not {model_counts}."
+        )
     from companion.data import make_spirals
 
     optimizer = optimizer or SGD()
     generator = torch.Generator().manual_seed(0)
-    points, labels = make_spirals(num_points, noise_std=0.05, generator=generator, device=device)
+    points, labels = make_spirals(
+        num_points, noise_std=0.05, generator=generator, device=device
+    )
     step = make_train_step(MLP().to("meta"), optimizer)
-    compiled_vmap = torch.compile(vmap(step), fullgraph=True, dynamic=False, mode=compile_mode)
+    compiled_vmap = torch.compile(
+        vmap(step), fullgraph=True, dynamic=False, mode=compile_mode
+    )
     rows = []
     # One compiled entry per model count: lift Dynamo's limit (8) if needed,
     # or the extra counts would silently fall back to eager code.
@@ -413,10 +460,18 @@ def benchmark_ensemble(
     with torch._dynamo.config.patch(recompile_limit=limit):
         for n in model_counts:
             _, params, opt_state = init_ensemble(n, optimizer, device=device)
-            idx = sample_subsets(n, num_points, subset_size, generator=generator).to(device)
+            idx = sample_subsets(n, num_points, subset_size, generator=generator).to(
+                device
+            )
             rows.append(
                 _time_four_ways(
-                    step, compiled_vmap, optimizer, params, opt_state, points[idx], labels[idx],
+                    step,
+                    compiled_vmap,
+                    optimizer,
+                    params,
+                    opt_state,
+                    points[idx],
+                    labels[idx],
                     min_run_time,
                 )
             )
@@ -432,13 +487,19 @@ def format_speed_table(rows: Sequence[dict[str, Any]]) -> str:
             "functional loop": row["loop"],
             "eager vmap": row["vmap"],
             "compiled vmap": row["compiled"],
-            "vmap speed-up": format_ratio(row["module loop"].median / row["vmap"].median, 1),
-            "compiled speed-up": format_ratio(row["module loop"].median / row["compiled"].median, 1),
+            "vmap speed-up": format_ratio(
+                row["module loop"].median / row["vmap"].median, 1
+            ),
+            "compiled speed-up": format_ratio(
+                row["module loop"].median / row["compiled"].median, 1
+            ),
             "compile time": format_time(row["compile"]),
         }
         for row in rows
     ]
-    return format_table(table, title="Time per training step (median); speed-ups over the module loop")
+    return format_table(
+        table, title="Time per training step (median); speed-ups over the module loop"
+    )
 
 
 def speed_verdicts(
@@ -448,7 +509,9 @@ def speed_verdicts(
     return [
         check_faster(
             f"{row['models']} models: compiled vmap is faster than the module loop",
-            row["compiled"], row["module loop"], at_least=target,
+            row["compiled"],
+            row["module loop"],
+            at_least=target,
         )
         for row in rows
         if row["models"] >= from_models
@@ -468,13 +531,21 @@ def plot_probability_map(
 ) -> AxesImage:
     """Draw a map of ``values`` (rows = y) over ``extent`` and, if given, the labelled points."""
     image = ax.imshow(
-        values.cpu(), origin="lower", extent=extent, cmap=cmap, vmin=0.0, vmax=vmax, aspect="equal"
+        values.cpu(),
+        origin="lower",
+        extent=extent,
+        cmap=cmap,
+        vmin=0.0,
+        vmax=vmax,
+        aspect="equal",
     )
     if points is not None and labels is not None:
         points, labels = points.cpu(), labels.cpu()
         for label, color in ((0, "#9ecae1"), (1, "#fc9272")):  # light blue, light red
             mine = points[labels == label]
-            ax.scatter(mine[:, 0], mine[:, 1], s=9, c=color, edgecolors="black", linewidths=0.5)
+            ax.scatter(
+                mine[:, 0], mine[:, 1], s=9, c=color, edgecolors="black", linewidths=0.5
+            )
     ax.set_xticks([])
     ax.set_yticks([])
     if title:

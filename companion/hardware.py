@@ -137,7 +137,8 @@ class PeakEstimate:
         if self.flops_per_cycle is None:
             return f"unknown: no FLOPs-per-cycle figure for the vector ISA {self.isa!r}"
         return (
-            f"{self.gflops:.0f} GFLOP/s = {self.cores} cores x {self.clock_ghz:.2f} GHz x "
+            f"{self.gflops:.0f} GFLOP/s = {self.cores} cores x {self.clock_ghz:.2f} "
+            "GHz x "
             f"{self.flops_per_cycle} FLOP/cycle ({self.isa}, two FMA units assumed; "
             f"{self.clock_source})"
         )
@@ -191,13 +192,22 @@ def measure_matmul_gflops(
     b = torch.randn(n, n, device=device)
     out = torch.empty(n, n, device=device)
     timing = benchmark(
-        torch.mm, a, b, out=out, label="matmul", min_run_time=min_run_time, num_threads=num_threads
+        torch.mm,
+        a,
+        b,
+        out=out,
+        label="matmul",
+        min_run_time=min_run_time,
+        num_threads=num_threads,
     )
     return 2 * n**3 / timing.median / 1e9
 
 
 def measure_bandwidth(
-    nbytes: int = 2**27, *, device: torch.device | str = "cpu", min_run_time: float = 0.3
+    nbytes: int = 2**27,
+    *,
+    device: torch.device | str = "cpu",
+    min_run_time: float = 0.3,
 ) -> float:
     """Measure memory bandwidth in GB/s: the best of a copy and an add on ``nbytes`` buffers.
 
@@ -244,28 +254,47 @@ class MachineLimits:
         if gflops is not None:
             text = f"{gflops:.3g} GFLOP/s is {format_ratio(gflops / self.matmul_gflops)} the matmul rate"
             if self.peak is not None and self.peak.gflops is not None:
-                text += f" ({format_ratio(gflops / self.peak.gflops)} the estimated peak)"
+                text += (
+                    f" ({format_ratio(gflops / self.peak.gflops)} the estimated peak)"
+                )
             parts.append(text)
         if gbs is not None:
-            parts.append(f"{gbs:.3g} GB/s is {format_ratio(gbs / self.bandwidth_gbs)} the memory bandwidth")
+            parts.append(
+                f"{gbs:.3g} GB/s is {format_ratio(gbs / self.bandwidth_gbs)} the "
+                "memory bandwidth"
+            )
         if not parts:
             raise ValueError("Give an achieved gflops or gbs to compare.")
         return "; ".join(parts) + " of this machine."
 
     def __str__(self) -> str:
         lines = [
-            f"fp32 matmul ({self.matmul_size} x {self.matmul_size}): {self.matmul_gflops:.3g} GFLOP/s",
-            f"memory bandwidth (best of copy and add, {self.copy_bytes / 2**20:.0f} MiB buffers): "
-            f"{self.bandwidth_gbs:.3g} GB/s",
+            (
+                f"fp32 matmul ({self.matmul_size} x {self.matmul_size}): "
+                f"{self.matmul_gflops:.3g} GFLOP/s"
+            ),
+            (
+                "memory bandwidth (best of copy and add, "
+                f"{self.copy_bytes / 2**20:.0f} "
+                "MiB buffers): "
+                f"{self.bandwidth_gbs:.3g} GB/s"
+            ),
         ]
         if self.peak is None:
-            lines.append("peak fp32: not estimated on an accelerator (see its datasheet)")
+            lines.append(
+                "peak fp32: not estimated on an accelerator (see its datasheet)"
+            )
         else:
             lines.append(f"peak fp32 estimate: {self.peak}")
             if self.peak_fraction is not None:
-                lines.append(f"matmul reaches {format_ratio(self.peak_fraction)} the estimated peak")
+                lines.append(
+                    f"matmul reaches {format_ratio(self.peak_fraction)} the estimated "
+                    "peak"
+                )
             else:
-                lines.append("matmul vs peak: unknown, only measured numbers are reported")
+                lines.append(
+                    "matmul vs peak: unknown, only measured numbers are reported"
+                )
         lines.append(f"Measured on: {self.hardware}")
         return "\n".join(lines)
 
@@ -284,9 +313,13 @@ def measure_limits(
     device = torch.device(device)
     return MachineLimits(
         device=str(device),
-        matmul_gflops=measure_matmul_gflops(n, device=device, min_run_time=min_run_time),
+        matmul_gflops=measure_matmul_gflops(
+            n, device=device, min_run_time=min_run_time
+        ),
         matmul_size=n,
-        bandwidth_gbs=measure_bandwidth(nbytes, device=device, min_run_time=min_run_time),
+        bandwidth_gbs=measure_bandwidth(
+            nbytes, device=device, min_run_time=min_run_time
+        ),
         copy_bytes=nbytes,
         peak=estimate_cpu_peak() if device.type == "cpu" else None,
         hardware=describe_hardware(),

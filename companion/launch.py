@@ -42,8 +42,12 @@ def script_path(name: str) -> Path:
     """Return the path of ``companion/scripts/<name>``."""
     path = SCRIPTS / name
     if not path.is_file():
-        available = ", ".join(sorted(p.name for p in SCRIPTS.glob("*.py") if p.name != "__init__.py"))
-        raise FileNotFoundError(f"There is no script {name!r} in {SCRIPTS}; available: {available}.")
+        available = ", ".join(
+            sorted(p.name for p in SCRIPTS.glob("*.py") if p.name != "__init__.py")
+        )
+        raise FileNotFoundError(
+            f"There is no script {name!r} in {SCRIPTS}; available: {available}."
+        )
     return path
 
 
@@ -96,10 +100,19 @@ def launch(
         LaunchTimeout: the script ran longer than ``timeout``.
         LaunchError: the script exited with an error or wrote no results.
     """
-    if nproc is not None and (isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1):
-        raise ValueError(f"nproc must be a whole number of processes, at least 1, or None for plain python; "
-                         f"not {nproc!r}.")
-    path = Path(script) if os.sep in str(script) or Path(script).is_file() else script_path(str(script))
+    if nproc is not None and (
+        isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1
+    ):
+        raise ValueError(
+            "nproc must be a whole number of processes, at least 1, or None for plain "
+            "python; "
+            f"not {nproc!r}."
+        )
+    path = (
+        Path(script)
+        if os.sep in str(script) or Path(script).is_file()
+        else script_path(str(script))
+    )
     workers = nproc or 1
     child_env = {
         **os.environ,
@@ -113,13 +126,24 @@ def launch(
         if nproc is None:
             cmd = [sys.executable, str(path), *argv]
         else:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={nproc}", str(path), *argv]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={nproc}",
+                str(path),
+                *argv,
+            ]
         tail: collections.deque[str] = collections.deque(maxlen=20)
         proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env=child_env, start_new_session=True,
-        )  # fmt: skip
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=child_env,
+            start_new_session=True,
+        )
         timed_out = threading.Event()
 
         def on_timeout() -> None:
@@ -152,7 +176,9 @@ def launch(
         if returncode != 0:
             _stop_group(proc)
             last = next((t for t in reversed(tail) if t.strip()), "no output")
-            raise LaunchError(f"{path.name} failed with exit code {returncode}; its last line: {last}")
+            raise LaunchError(
+                f"{path.name} failed with exit code {returncode}; its last line: {last}"
+            )
         if not results:
             return {}
         if not results_file.is_file():

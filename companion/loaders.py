@@ -66,10 +66,15 @@ class JpegImageDataset(Dataset):
                 f"images and labels differ in length ({len(images)} vs {len(labels)})."
             )
         resized = F.interpolate(
-            images, size=(stored_size, stored_size), mode="bilinear", align_corners=False
+            images,
+            size=(stored_size, stored_size),
+            mode="bilinear",
+            align_corners=False,
         )
         pixels = (resized.clamp(0, 1) * 255).round().to(torch.uint8)
-        pixels = pixels.permute(0, 2, 3, 1).squeeze(-1).numpy()  # (N, H, W[, 3]) for Pillow
+        pixels = (
+            pixels.permute(0, 2, 3, 1).squeeze(-1).numpy()
+        )  # (N, H, W[, 3]) for Pillow
         encoded = [_encode_jpeg(image, quality) for image in pixels]
         # One bytes object plus offsets, rather than N small ones: cheap to
         # pickle for a worker started with "spawn".

@@ -70,7 +70,9 @@ def lenet(X: torch.Tensor, params: Sequence[torch.Tensor]) -> torch.Tensor:
     return h @ W4 + b4  # (n, 10)
 
 
-def get_params(params: Sequence[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
+def get_params(
+    params: Sequence[torch.Tensor], device: torch.device | str
+) -> list[torch.Tensor]:
     """Return a copy of ``params`` on ``device``, each tensor requiring gradients.
 
     The copy is real even when ``device`` is where the tensors already are:
@@ -113,7 +115,10 @@ def allreduce_ring(data: list[torch.Tensor]) -> list[int]:
     chunks = [list(t.view(-1).tensor_split(k)) for t in data]
     sent = [0] * k
 
-    def ring_step(chunk_sent_by: list[int], receive: Callable[[torch.Tensor, torch.Tensor], object]) -> None:
+    def ring_step(
+        chunk_sent_by: list[int],
+        receive: Callable[[torch.Tensor, torch.Tensor], object],
+    ) -> None:
         # Device i sends its chunk chunk_sent_by[i] to device i + 1. All devices
         # send at once: take every message before any device changes a chunk
         # (copy=True matters for replicas that share one CPU).
@@ -136,9 +141,14 @@ def _check_same_shape(data: list[torch.Tensor]) -> None:
     if not data:
         raise ValueError("allreduce needs at least one tensor.")
     if any(t.shape != data[0].shape for t in data):
-        raise ValueError(f"allreduce needs tensors of one shape, got {[tuple(t.shape) for t in data]}.")
+        raise ValueError(
+            "allreduce needs tensors of one shape, got "
+            f"{[tuple(t.shape) for t in data]}."
+        )
     if any(not t.is_contiguous() for t in data):
-        raise ValueError("allreduce works in place on contiguous tensors; call .contiguous() first.")
+        raise ValueError(
+            "allreduce works in place on contiguous tensors; call .contiguous() first."
+        )
 
 
 def split_batch(
@@ -152,7 +162,9 @@ def split_batch(
     if X.shape[0] != y.shape[0]:
         raise ValueError(f"{X.shape[0]} inputs but {y.shape[0]} labels.")
     if X.shape[0] < len(devices):
-        raise ValueError(f"A batch of {X.shape[0]} cannot be split across {len(devices)} devices.")
+        raise ValueError(
+            f"A batch of {X.shape[0]} cannot be split across {len(devices)} devices."
+        )
     k = len(devices)
     return (
         [x.to(d) for x, d in zip(X.tensor_split(k), devices)],

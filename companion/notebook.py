@@ -45,7 +45,9 @@ def _short_errors() -> None:
     def show_one_line(shell, etype, value, tb, tb_offset=None):
         print(f"{etype.__name__}: {value}")
 
-    shell.set_custom_exc((CourseError, DataUnavailableError, DeviceError, LaunchError), show_one_line)
+    shell.set_custom_exc(
+        (CourseError, DataUnavailableError, DeviceError, LaunchError), show_one_line
+    )
 
 
 def setup_notebook(seed: int = 0) -> None:

@@ -98,11 +98,15 @@ def _load_events(trace: profile | str | Path) -> list[dict[str, Any]]:
     else:
         path = Path(trace)
         if not path.is_file():
-            raise FileNotFoundError(f"No trace file at {path}; export one with prof.export_chrome_trace().")
+            raise FileNotFoundError(
+                f"No trace file at {path}; export one with prof.export_chrome_trace()."
+            )
         try:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as error:
-            raise ValueError(f"{path} is not a JSON Chrome trace ({error.msg}).") from None
+            raise ValueError(
+                f"{path} is not a JSON Chrome trace ({error.msg})."
+            ) from None
     events = data.get("traceEvents") if isinstance(data, dict) else data
     if not isinstance(events, list):
         raise ValueError("A Chrome trace holds a list of events under 'traceEvents'.")
@@ -131,7 +135,9 @@ def trace_intervals(
     for event in _load_events(trace):
         if event.get("ph") != "X" or event.get("cat") not in categories:
             continue
-        if names is not None and not str(event.get("name", "")).startswith(tuple(names)):
+        if names is not None and not str(event.get("name", "")).startswith(
+            tuple(names)
+        ):
             continue
         kept.append(event)
     kept.sort(key=lambda e: float(e["ts"]))
@@ -145,9 +151,15 @@ def trace_intervals(
             args = event.get("args", {})
             row = f"cuda:{args.get('device', event['pid'])} stream {args.get('stream', event['tid'])}"
         else:
-            row = threads.setdefault((event["pid"], event["tid"]), f"thread {len(threads)}")
+            row = threads.setdefault(
+                (event["pid"], event["tid"]), f"thread {len(threads)}"
+            )
         start = (float(event["ts"]) - origin) / 1e3
-        intervals.append(Interval(row, str(event["name"]), start, start + float(event.get("dur", 0)) / 1e3))
+        intervals.append(
+            Interval(
+                row, str(event["name"]), start, start + float(event.get("dur", 0)) / 1e3
+            )
+        )
     return intervals
 
 
@@ -167,9 +179,14 @@ def concurrency(intervals: Sequence[Interval]) -> float:
     were busy the whole time. Overlapping bars on the same row count once.
     """
     if not intervals:
-        raise ValueError("No intervals: was anything recorded in the selected categories?")
+        raise ValueError(
+            "No intervals: was anything recorded in the selected categories?"
+        )
     rows = {i.row for i in intervals}
-    busy = sum(_union_length((i.start, i.end) for i in intervals if i.row == row) for row in rows)
+    busy = sum(
+        _union_length((i.start, i.end) for i in intervals if i.row == row)
+        for row in rows
+    )
     span = _union_length((i.start, i.end) for i in intervals)
     return busy / span if span > 0 else 1.0
 
@@ -192,10 +209,20 @@ def plot_timeline(
     for k, name in enumerate(names):
         label: str | None = name  # one legend entry per name
         for y, row in enumerate(rows):
-            bars = [(i.start, i.duration) for i in intervals if i.name == name and i.row == row]
+            bars = [
+                (i.start, i.duration)
+                for i in intervals
+                if i.name == name and i.row == row
+            ]
             if bars:
-                ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=colors[k % len(colors)],
-                               edgecolor="white", linewidth=0.5, label=label)
+                ax.broken_barh(
+                    bars,
+                    (y - 0.4, 0.8),
+                    facecolors=colors[k % len(colors)],
+                    edgecolor="white",
+                    linewidth=0.5,
+                    label=label,
+                )
                 label = None
     ax.set_yticks(range(len(rows)), rows)
     ax.set_ylim(len(rows) - 0.5, -0.5)  # first row on top
@@ -204,5 +231,10 @@ def plot_timeline(
         ax.set_title(title)
     ax.grid(axis="x", alpha=0.3)
     if names and len(names) <= 10:
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False)
+        ax.legend(
+            loc="upper left",
+            bbox_to_anchor=(1.01, 1.0),
+            fontsize="small",
+            frameon=False,
+        )
     return ax

@@ -68,15 +68,27 @@ class Timing:
     threads: int = 0  # intra-op threads while timing (0: not recorded)
 
     @classmethod
-    def from_samples(cls, label: str, seconds: Sequence[float], *, threads: int | None = None) -> Timing:
+    def from_samples(
+        cls, label: str, seconds: Sequence[float], *, threads: int | None = None
+    ) -> Timing:
         """Summarise repeated measurements (e.g. one per epoch) as a median and IQR."""
         if not seconds:
             raise ValueError(f"No measurements for {label!r}.")
         times = sorted(seconds)
-        q1, q3 = statistics.quantiles(times, n=4)[::2] if len(times) > 1 else (times[0], times[0])
+        q1, q3 = (
+            statistics.quantiles(times, n=4)[::2]
+            if len(times) > 1
+            else (times[0], times[0])
+        )
         threads = threads or torch.get_num_threads()
-        return cls(label, statistics.median(times), q3 - q1, len(times),
-                   describe_hardware(threads), threads)
+        return cls(
+            label,
+            statistics.median(times),
+            q3 - q1,
+            len(times),
+            describe_hardware(threads),
+            threads,
+        )
 
     def __add__(self, other: Timing) -> Timing:
         """The two measured calls one after the other: medians add, and so do IQRs.
@@ -87,9 +99,19 @@ class Timing:
         if not isinstance(other, Timing):
             return NotImplemented
         threads = self.threads if self.threads == other.threads else 0
-        hardware = self.hardware if self.hardware == other.hardware else f"{self.hardware}; {other.hardware}"
-        return Timing(f"{self.label} + {other.label}", self.median + other.median,
-                      self.iqr + other.iqr, min(self.runs, other.runs), hardware, threads)
+        hardware = (
+            self.hardware
+            if self.hardware == other.hardware
+            else f"{self.hardware}; {other.hardware}"
+        )
+        return Timing(
+            f"{self.label} + {other.label}",
+            self.median + other.median,
+            self.iqr + other.iqr,
+            min(self.runs, other.runs),
+            hardware,
+            threads,
+        )
 
     def __str__(self) -> str:
         return (
@@ -177,7 +199,14 @@ def format_table(
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in cells]
     if hardware:
         if threads is None:
-            used = sorted({v.threads for row in rows for v in row.values() if isinstance(v, Timing)})
+            used = sorted(
+                {
+                    v.threads
+                    for row in rows
+                    for v in row.values()
+                    if isinstance(v, Timing)
+                }
+            )
             threads = " and ".join(map(str, used)) if used else None
         lines.append(f"Measured on: {describe_hardware(threads)}")
     return "\n".join(lines)

@@ -128,7 +128,8 @@ def train_classifier(
                 correct += (logits.argmax(dim=1) == labels).sum()
                 count += labels.numel()
                 if progress and step % 10 == 0:
-                    # .item() is a sync, so rarely; "~" marks a value that varies between machines
+                    # .item() is a sync, so rarely; "~" marks a
+                    # value that varies between machines
                     bar.set_postfix_str(f"loss ~{loss.item():.3f}", refresh=False)
         if count == 0:
             raise ValueError("train_classifier got no training batches.")
@@ -141,8 +142,14 @@ def train_classifier(
             f"train accuracy ~{history['train accuracy'][-1]:.3f}"
         )
         if test_batches is not None:
-            history["test accuracy"].append(evaluate_accuracy(model, test_batches, device))
+            history["test accuracy"].append(
+                evaluate_accuracy(model, test_batches, device)
+            )
             line += f", test accuracy ~{history['test accuracy'][-1]:.3f}"
         if progress:
-            print(f"{line} ({format_time(epoch_time.elapsed)} training)", file=sys.stdout, flush=True)
+            print(
+                f"{line} ({format_time(epoch_time.elapsed)} training)",
+                file=sys.stdout,
+                flush=True,
+            )
     return history

@@ -83,11 +83,18 @@ def _flatten(values: object) -> torch.Tensor:
     if isinstance(values, Iterable):
         parts = [_flatten(v) for v in values]
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
-    raise TypeError(f"Cannot compare a {type(values).__name__}; give numbers or tensors.")
+    raise TypeError(
+        f"Cannot compare a {type(values).__name__}; give numbers or tensors."
+    )
 
 
 def check_close(
-    claim: str, actual: object, expected: object, *, atol: float = 0.0, rtol: float = 0.0
+    claim: str,
+    actual: object,
+    expected: object,
+    *,
+    atol: float = 0.0,
+    rtol: float = 0.0,
 ) -> Verdict:
     """Do ``actual`` and ``expected`` agree elementwise within ``atol + rtol * |expected|``?
 
@@ -95,7 +102,9 @@ def check_close(
     one long vector). The tolerance is appended to the claim.
     """
     if atol < 0 or rtol < 0 or (atol == 0 and rtol == 0):
-        raise ValueError("Give a positive atol or rtol: an exact comparison is check(a == b).")
+        raise ValueError(
+            "Give a positive atol or rtol: an exact comparison is check(a == b)."
+        )
     a, e = _flatten(actual), _flatten(expected)
     if a.shape != e.shape:
         return check(f"{claim}", False, f"{a.numel()} values vs {e.numel()} expected")
@@ -104,9 +113,13 @@ def check_close(
     holds = bool((diff <= allowed).all()) and bool(torch.isfinite(a).all())
     worst = diff.max().item() if diff.numel() else 0.0
     tolerance = " + ".join(
-        text for text, on in ((f"{atol:.0e}", atol), (f"{rtol:.0e} x |expected|", rtol)) if on
+        text
+        for text, on in ((f"{atol:.0e}", atol), (f"{rtol:.0e} x |expected|", rtol))
+        if on
     )
-    return check(f"{claim} (within {tolerance})", holds, f"max |difference| {worst:.1e}")
+    return check(
+        f"{claim} (within {tolerance})", holds, f"max |difference| {worst:.1e}"
+    )
 
 
 def check_range(
@@ -128,7 +141,11 @@ def check_range(
         bounds = f"at least {low:{fmt}}"
     else:
         bounds = f"at most {high:{fmt}}"
-    holds = math.isfinite(value) and (low is None or value >= low) and (high is None or value <= high)
+    holds = (
+        math.isfinite(value)
+        and (low is None or value >= low)
+        and (high is None or value <= high)
+    )
     return check(f"{claim} ({bounds})", holds, f"{value:{fmt}}")
 
 
@@ -165,7 +182,9 @@ def compare_speed(fast: Timing, slow: Timing) -> SpeedComparison:
     return SpeedComparison(ratio, noise, outcome)
 
 
-def check_faster(claim: str, fast: Timing, slow: Timing, *, at_least: float = 1.0) -> Verdict:
+def check_faster(
+    claim: str, fast: Timing, slow: Timing, *, at_least: float = 1.0
+) -> Verdict:
     """Did ``fast`` run faster than ``slow``, by at least ``at_least`` even at the edge of the noise?
 
     With ``at_least=1`` any speed-up above noise counts; with ``at_least=2``
@@ -202,4 +221,8 @@ def check_speed_ups_at_most(
         raise ValueError("No candidate timings to compare.")
     closest = max(comparisons, key=lambda c: c.ratio / (1 + c.noise))
     holds = closest.ratio / (1 + closest.noise) <= at_most
-    return check(f"{claim} (at most {at_most:g}x, within the noise)", holds, f"largest {closest.evidence}")
+    return check(
+        f"{claim} (at most {at_most:g}x, within the noise)",
+        holds,
+        f"largest {closest.evidence}",
+    )

@@ -19,10 +19,14 @@ sys.path.insert(0, str(ROOT / "tools"))
 import browser_check as bc  # noqa: E402
 
 PATHS = bc.chromium_paths()
-needs_chromium = pytest.mark.skipif(PATHS is None and not os.environ.get("CI"), reason=bc.INSTALL_HINT)
+needs_chromium = pytest.mark.skipif(
+    PATHS is None and not os.environ.get("CI"), reason=bc.INSTALL_HINT
+)
 
-PNG = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk"
-       "YPhfDwAChwGA60e6kgAAAABJRU5ErkJggg==")
+PNG = (
+    "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk"
+    "YPhfDwAChwGA60e6kgAAAABJRU5ErkJggg=="
+)
 GOOD = f"""
 <h1 id="top">A good page</h1>
 <p><a href="index.html#top">home</a> and <a href="https://pytorch.org">outside</a></p>
@@ -37,20 +41,31 @@ BROKEN = {  # rule: the page's body
     "broken anchor": '<a href="index.html#no-such-section">a section that is not there</a>',
     "console error": '<script>console.error("something failed")</script>',
     "wider than the column": "<pre>" + "x = 1  " * 60 + "</pre>",
-    "output split into blocks": ('<div class="cell_output"><div class="output stream"><pre>line 1</pre></div>'
-                                 '<div class="output stream"><pre>line 2</pre></div></div>'),
-    "progress-bar remnant": ('<div class="cell_output"><div class="output stream"><pre>'
-                             "epoch 1:  30%|###       | 7/23\nepoch 1: 100%|##########| 23/23</pre></div></div>"),
+    "output split into blocks": (
+        '<div class="cell_output"><div class="output stream"><pre>line 1</pre></div>'
+        '<div class="output stream"><pre>line 2</pre></div></div>'
+    ),
+    "progress-bar remnant": (
+        '<div class="cell_output"><div class="output stream"><pre>'
+        "epoch 1:  30%|###       | 7/23\nepoch 1: 100%|##########| "
+        "23/23</pre></div></div>"
+    ),
     "figure without a caption": f'<div class="cell_output"><img src="{PNG}" alt="a plot"></div>',
     "math not rendered": r'<p><span class="math notranslate nohighlight">\(x^2\)</span></p>',
-    "button with no address set": ('<div class="dropdown-launch-buttons"><a href="https://mybinder.org/v2/gh/'
-                                   'someone/course/main?urlpath=lab">Binder</a></div>'),
+    "button with no address set": (
+        '<div class="dropdown-launch-buttons"><a href="https://mybinder.org/v2/gh/'
+        'someone/course/main?urlpath=lab">Binder</a></div>'
+    ),
 }
 
 
 def page(body: str, head: str = "") -> str:
-    return (f'<!DOCTYPE html><html><head><meta charset="utf-8"><style>article {{ width: 600px }} '
-            f"pre {{ overflow: auto }}</style>{head}</head><body><article>{body}</article></body></html>")
+    return (
+        '<!DOCTYPE html><html><head><meta charset="utf-8"><style>article '
+        "{ width: 600px } "
+        "pre "
+        f"{{ overflow: auto }}</style>{head}</head><body><article>{body}</article></body></html>"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +85,9 @@ def test_a_good_page_has_no_problem(report):
 @needs_chromium
 @pytest.mark.parametrize("n, rule", list(enumerate(BROKEN)))
 def test_each_broken_rule_is_reported(report, n, rule):
-    also = {"console error"} if rule == "missing image" else set()  # the browser logs the failed load too
+    also = (
+        {"console error"} if rule == "missing image" else set()
+    )  # the browser logs the failed load too
     assert {found for found, _ in report[f"broken{n}.html"]} == {rule} | also
 
 
@@ -81,7 +98,9 @@ def test_math_renders_offline_with_the_mathjax_served_by_the_book(tmp_path):
     package = Path(importlib.util.find_spec("sphinx-mathjax-offline").origin).parent
     shutil.copytree(package / "static" / "mathjax", tmp_path / "_static" / "mathjax")
     math = r'<p><span class="math notranslate nohighlight">\(x^2 + \frac{1}{2}\)</span></p>'
-    (tmp_path / "index.html").write_text(page(math, head='<script defer src="_static/mathjax/tex-chtml.js"></script>'))
+    (tmp_path / "index.html").write_text(
+        page(math, head='<script defer src="_static/mathjax/tex-chtml.js"></script>')
+    )
     assert bc.check_book(tmp_path, repository="", paths=PATHS) == {"index.html": []}
 
 
@@ -89,7 +108,8 @@ def test_buttons_must_lead_to_the_books_own_repository():
     binder = "https://mybinder.org/v2/gh/you/course/main?urlpath=lab/tree/notebooks/01_tensors.ipynb"
     assert bc.wrong_buttons([binder], "https://github.com/you/course") == []
     assert bc.wrong_buttons([binder], "https://github.com/someone-else/course") == [
-        ("button to another address", binder)]
+        ("button to another address", binder)
+    ]
     assert bc.wrong_buttons([binder], "") == [("button with no address set", binder)]
 
 

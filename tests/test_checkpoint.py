@@ -22,7 +22,11 @@ def test_round_trip_restores_model_optimizer_and_extras(tmp_path: Path) -> None:
     model(torch.randn(5, 3)).sum().backward()
     optimizer.step()  # creates momentum buffers, so the optimizer has state
     path = save_checkpoint(
-        tmp_path / "run" / "ckpt.pt", model, optimizer, epoch=3, history={"loss": [0.5, 0.25]}
+        tmp_path / "run" / "ckpt.pt",
+        model,
+        optimizer,
+        epoch=3,
+        history={"loss": [0.5, 0.25]},
     )
 
     fresh = make_model()
@@ -35,7 +39,9 @@ def test_round_trip_restores_model_optimizer_and_extras(tmp_path: Path) -> None:
     assert state["history"] == {"loss": [0.5, 0.25]}
     saved_buf = optimizer.state_dict()["state"][0]["momentum_buffer"]
     assert torch.equal(fresh_opt.state_dict()["state"][0]["momentum_buffer"], saved_buf)
-    assert [p.name for p in path.parent.iterdir()] == ["ckpt.pt"]  # no temporary file left
+    assert [p.name for p in path.parent.iterdir()] == [
+        "ckpt.pt"
+    ]  # no temporary file left
 
 
 def test_failed_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
@@ -45,7 +51,9 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
     with torch.no_grad():
         model[0].weight.add_(1.0)
     with pytest.raises(CheckpointError, match="previous checkpoint there is unchanged"):
-        save_checkpoint(path, model, epoch=2, note=lambda: None)  # a lambda cannot be pickled
+        save_checkpoint(
+            path, model, epoch=2, note=lambda: None
+        )  # a lambda cannot be pickled
     assert path.read_bytes() == before
     assert load_checkpoint(path)["epoch"] == 1
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
@@ -69,7 +77,9 @@ def test_interrupted_write_keeps_previous_checkpoint(
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "empty"])
-def test_corrupt_file_gives_one_sentence_and_is_left_alone(tmp_path: Path, damage: str) -> None:
+def test_corrupt_file_gives_one_sentence_and_is_left_alone(
+    tmp_path: Path, damage: str
+) -> None:
     path = save_checkpoint(tmp_path / "ckpt.pt", make_model())
     data = path.read_bytes()
     damaged = {
@@ -101,7 +111,9 @@ class _Payload:
 def test_code_in_the_file_is_refused_not_run(tmp_path: Path) -> None:
     path = tmp_path / "evil.pt"
     torch.save({"model": {}, "x": _Payload()}, path)
-    with pytest.raises(CheckpointError, match="GLOBAL .*exec.*weights_only=False") as info:
+    with pytest.raises(
+        CheckpointError, match="GLOBAL .*exec.*weights_only=False"
+    ) as info:
         load_checkpoint(path)
     assert "\n" not in str(info.value)
 
@@ -116,7 +128,9 @@ def test_wrong_architecture_is_one_sentence(tmp_path: Path) -> None:
 def test_not_a_checkpoint_dict(tmp_path: Path) -> None:
     path = tmp_path / "weights.pt"
     torch.save(torch.zeros(3), path)
-    with pytest.raises(CheckpointError, match="not a checkpoint written by save_checkpoint"):
+    with pytest.raises(
+        CheckpointError, match="not a checkpoint written by save_checkpoint"
+    ):
         load_checkpoint(path)
 
 

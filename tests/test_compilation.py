@@ -21,7 +21,9 @@ def test_warning_messages_records_category_and_text_once():
 def test_warning_messages_catches_the_torchscript_deprecation():
     with warning_messages() as messages:
         torch.jit.script(torch.nn.Linear(2, 2))
-    assert any(m.startswith("FutureWarning:") and "torch.jit.script" in m for m in messages)
+    assert any(
+        m.startswith("FutureWarning:") and "torch.jit.script" in m for m in messages
+    )
     assert not any(os.sep + "torch" + os.sep in m for m in messages)  # no file paths
 
 
@@ -46,7 +48,9 @@ def test_run_python_returns_stdout_from_a_fresh_process(tmp_path):
 
 
 def test_run_python_failure_is_one_sentence(tmp_path):
-    with pytest.raises(FreshProcessError, match=r"exit code 1\): ZeroDivisionError") as info:
+    with pytest.raises(
+        FreshProcessError, match=r"exit code 1\): ZeroDivisionError"
+    ) as info:
         run_python("1 / 0", cwd=tmp_path)
     assert isinstance(info.value, CourseError)
     assert "\n" not in str(info.value)

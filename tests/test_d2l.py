@@ -18,7 +18,11 @@ from d2l import torch as d2l
 
 def test_import_is_clean():
     # A fresh interpreter with warnings as errors: no deprecation noise from the import.
-    subprocess.run([sys.executable, "-W", "error", "-c", "from d2l import torch as d2l"], check=True, timeout=120)
+    subprocess.run(
+        [sys.executable, "-W", "error", "-c", "from d2l import torch as d2l"],
+        check=True,
+        timeout=120,
+    )
 
 
 def test_timer_and_benchmark(capsys):
@@ -40,7 +44,9 @@ def test_resnet18_small_input_variant_takes_28x28():
     assert net(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="documents the CPU-only behaviour")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="documents the CPU-only behaviour"
+)
 def test_cpu_only_shortcomings_companion_fixes():
     import companion
 

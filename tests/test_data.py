@@ -24,7 +24,9 @@ from companion.data import (
 def test_toy_data_is_the_appendix_data():
     X_train, y_train, X_test, y_test = make_toy_data()
     # the numbers chapter 03 prints and the appendix uses
-    expected = torch.tensor([[-1.2, 3.1], [-0.9, 2.9], [-0.5, 2.6], [2.3, -1.1], [2.7, -1.5]])
+    expected = torch.tensor(
+        [[-1.2, 3.1], [-0.9, 2.9], [-0.5, 2.6], [2.3, -1.1], [2.7, -1.5]]
+    )
     torch.testing.assert_close(X_train, expected)
     torch.testing.assert_close(X_test, torch.tensor([[-0.8, 2.8], [2.6, -1.6]]))
     assert y_train.tolist() == [0, 0, 0, 1, 1] and y_test.tolist() == [0, 1]
@@ -46,7 +48,9 @@ def test_toy_dataset_rejects_mismatched_lengths():
 def test_spirals_shape_labels_and_determinism():
     g = torch.Generator().manual_seed(1)
     points, labels = make_spirals(200, noise_std=0.05, generator=g)
-    again, labels2 = make_spirals(200, noise_std=0.05, generator=torch.Generator().manual_seed(1))
+    again, labels2 = make_spirals(
+        200, noise_std=0.05, generator=torch.Generator().manual_seed(1)
+    )
     assert points.shape == (200, 2) and labels.shape == (200,)
     assert set(labels.tolist()) == {0, 1}
     assert torch.equal(points, again) and torch.equal(labels, labels2)
@@ -56,16 +60,29 @@ def test_spirals_shape_labels_and_determinism():
 
 
 def test_spirals_wind_as_promised():
-    # Five points at t = 0, 1/4, 1/2, 3/4, 1: radius sqrt(t), angle 2 pi x radius x rotations,
+    # Five points at t = 0, 1/4, 1/2, 3/4, 1: radius sqrt(t), angle 2 pi x radius
+    # x rotations,
     # mirrored through the origin for label 0.
     points, labels = make_spirals(5, generator=torch.Generator().manual_seed(0))
     side = (2 * labels - 1).float()
-    torch.testing.assert_close(points.norm(dim=1), torch.tensor([0.0, 0.5, 0.5**0.5, 0.75**0.5, 1.0]))
-    torch.testing.assert_close(points[1], torch.tensor([-0.5, 0.0]) * side[1], atol=1e-6, rtol=0)  # half a turn
-    torch.testing.assert_close(points[4], torch.tensor([1.0, 0.0]) * side[4], atol=1e-6, rtol=0)  # a whole turn
-    half, labels = make_spirals(5, rotations=0.5, generator=torch.Generator().manual_seed(0))
-    torch.testing.assert_close(half[4], torch.tensor([-1.0, 0.0]) * (2 * labels[4] - 1), atol=1e-6, rtol=0)
-    noisy, _ = make_spirals(2000, noise_std=0.1, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(
+        points.norm(dim=1), torch.tensor([0.0, 0.5, 0.5**0.5, 0.75**0.5, 1.0])
+    )
+    torch.testing.assert_close(
+        points[1], torch.tensor([-0.5, 0.0]) * side[1], atol=1e-6, rtol=0
+    )  # half a turn
+    torch.testing.assert_close(
+        points[4], torch.tensor([1.0, 0.0]) * side[4], atol=1e-6, rtol=0
+    )  # a whole turn
+    half, labels = make_spirals(
+        5, rotations=0.5, generator=torch.Generator().manual_seed(0)
+    )
+    torch.testing.assert_close(
+        half[4], torch.tensor([-1.0, 0.0]) * (2 * labels[4] - 1), atol=1e-6, rtol=0
+    )
+    noisy, _ = make_spirals(
+        2000, noise_std=0.1, generator=torch.Generator().manual_seed(0)
+    )
     clean, _ = make_spirals(2000, generator=torch.Generator().manual_seed(0))
     # the same labels come first from the generator; the noise is what differs
     assert 0.08 < (noisy - clean).std().item() < 0.12
@@ -91,8 +108,10 @@ def test_fashion_mnist_missing_is_one_sentence(tmp_path):
     with pytest.raises(DataUnavailableError) as info:
         load_fashion_mnist(tmp_path)  # downloading is opt-in
     assert str(info.value) == (
-        f"Fashion-MNIST is not in {tmp_path} and downloading was not allowed; put the four "
-        f"*-ubyte files in {tmp_path}/FashionMNIST/raw or call load_image_data() to use the offline digits."
+        f"Fashion-MNIST is not in {tmp_path} and downloading was not allowed; put the "
+        "four "
+        f"*-ubyte files in {tmp_path}/FashionMNIST/raw or call load_image_data() to "
+        "use the offline digits."
     )
 
 
@@ -110,7 +129,11 @@ def write_fashion_mnist(root):
     raw.mkdir(parents=True, exist_ok=True)
 
     def write_idx(name, array):
-        header = b"\x00\x00\x08" + bytes([array.ndim]) + b"".join(int(d).to_bytes(4, "big") for d in array.shape)
+        header = (
+            b"\x00\x00\x08"
+            + bytes([array.ndim])
+            + b"".join(int(d).to_bytes(4, "big") for d in array.shape)
+        )
         (raw / name).write_bytes(header + array.astype(np.uint8).tobytes())
 
     rng = np.random.default_rng(0)
@@ -126,7 +149,9 @@ FASHION_LINE = "Data set: Fashion-MNIST: 3 training and 2 test images, 10 classe
 
 
 def test_local_fashion_mnist_is_used(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(data, "_online", lambda *a, **k: pytest.fail("files on disk need no network"))
+    monkeypatch.setattr(
+        data, "_online", lambda *a, **k: pytest.fail("files on disk need no network")
+    )
     write_fashion_mnist(tmp_path)
     result = load_image_data(tmp_path, download=False)
     assert capsys.readouterr().out == f"{FASHION_LINE} (found on disk).\n"
@@ -158,7 +183,9 @@ def network(monkeypatch):
 
     def download(dataset):
         calls["download"] += 1
-        print("Downloading https://fashion-mnist.example/train-images-idx3-ubyte.gz")  # as torchvision does
+        print(
+            "Downloading https://fashion-mnist.example/train-images-idx3-ubyte.gz"
+        )  # as torchvision does
         print("Failed to download (trying next)", file=sys.stderr)
         write_fashion_mnist(Path(dataset.root))
 
@@ -186,21 +213,30 @@ def test_download_when_online(tmp_path, network, monkeypatch, capsys, switch):
     if switch is not None:
         monkeypatch.setenv("COURSE_OFFLINE", switch)
     result = load_image_data(tmp_path)
-    assert capsys.readouterr() == (f"{FASHION_LINE} (downloaded).\n", "")  # torchvision's chatter is hidden
-    assert network["online"] == [()] and network["download"] == 2  # training and test set
+    assert capsys.readouterr() == (
+        f"{FASHION_LINE} (downloaded).\n",
+        "",
+    )  # torchvision's chatter is hidden
+    assert (
+        network["online"] == [()] and network["download"] == 2
+    )  # training and test set
     assert (tmp_path / "FashionMNIST" / "raw" / "t10k-labels-idx1-ubyte").exists()
     assert result.test.tensors[1].tolist() == [4, 5]
 
 
 @pytest.mark.parametrize("switch", ["1", "yes"])
-def test_offline_switch_never_downloads(tmp_path, network, stand_in, monkeypatch, capsys, switch):
+def test_offline_switch_never_downloads(
+    tmp_path, network, stand_in, monkeypatch, capsys, switch
+):
     monkeypatch.setenv("COURSE_OFFLINE", switch)
     result = load_image_data(tmp_path)
     assert result is stand_in
     assert network == {"online": [], "download": 0}  # not even a connection attempt
     assert capsys.readouterr().out == (
-        "Data set: scikit-learn digits (offline stand-in): 4 training and 2 test images, 10 classes, "
-        "shape (1, 28, 28) (Fashion-MNIST is not on disk and could not be downloaded).\n"
+        "Data set: scikit-learn digits (offline stand-in): 4 training and 2 test "
+        "images, 10 classes, "
+        "shape (1, 28, 28) (Fashion-MNIST is not on disk and could not be "
+        "downloaded).\n"
     )
 
 
@@ -215,19 +251,30 @@ def test_unreachable_host_means_no_download(tmp_path, network, stand_in, monkeyp
     assert network["download"] == 0
 
 
-def test_failed_download_is_one_sentence_then_the_fallback(tmp_path, network, stand_in, monkeypatch, capsys):
+def test_failed_download_is_one_sentence_then_the_fallback(
+    tmp_path, network, stand_in, monkeypatch, capsys
+):
     from torchvision import datasets
 
     def broken(dataset):
-        raise RuntimeError("Error downloading train-images-idx3-ubyte.gz: every mirror failed")
+        raise RuntimeError(
+            "Error downloading train-images-idx3-ubyte.gz: every mirror failed"
+        )
 
     monkeypatch.setattr(datasets.FashionMNIST, "download", broken)
-    with pytest.raises(DataUnavailableError, match=r"^Fashion-MNIST is not in \S+ and the download failed; put") as info:
+    with pytest.raises(
+        DataUnavailableError,
+        match=r"^Fashion-MNIST is not in \S+ and the download failed; put",
+    ) as info:
         load_fashion_mnist(tmp_path, download=True)
-    assert isinstance(info.value.__cause__, RuntimeError) and "\n" not in str(info.value)
+    assert isinstance(info.value.__cause__, RuntimeError) and "\n" not in str(
+        info.value
+    )
     assert f"{tmp_path}/FashionMNIST/raw" in str(info.value)
     assert load_image_data(tmp_path) is stand_in
-    assert capsys.readouterr().out.endswith("(Fashion-MNIST is not on disk and could not be downloaded).\n")
+    assert capsys.readouterr().out.endswith(
+        "(Fashion-MNIST is not on disk and could not be downloaded).\n"
+    )
 
 
 @pytest.mark.parametrize("reachable", [True, False])

@@ -4,7 +4,13 @@ import pytest
 import torch
 
 from companion import devices
-from companion.devices import DeviceError, describe_hardware, get_backend, try_all_gpus, try_gpu
+from companion.devices import (
+    DeviceError,
+    describe_hardware,
+    get_backend,
+    try_all_gpus,
+    try_gpu,
+)
 
 
 @pytest.fixture
@@ -40,8 +46,13 @@ def test_try_all_gpus_with_gpus(two_gpus):
 
 
 def test_try_all_gpus_shares_the_gpus_there_are(two_gpus):
-    # Chapter 07 asks for 2 devices; on a machine with fewer GPUs the replicas share them.
-    assert try_all_gpus(3) == [torch.device("cuda:0"), torch.device("cuda:1"), torch.device("cuda:0")]
+    # Chapter 07 asks for 2 devices; on a machine with fewer GPUs the replicas
+    # share them.
+    assert try_all_gpus(3) == [
+        torch.device("cuda:0"),
+        torch.device("cuda:1"),
+        torch.device("cuda:0"),
+    ]
 
 
 def test_try_all_gpus_refuses_zero(no_gpus):
@@ -68,18 +79,26 @@ def test_backend_for_this_machine_with_gpus(monkeypatch, two_gpus):
 
 
 @pytest.mark.parametrize(
-    "available, count, expected", [(False, 3, 0), (True, 3, 3), (True, 0, 0)], ids=["no-cuda", "3-gpus", "none"]
+    "available, count, expected",
+    [(False, 3, 0), (True, 3, 3), (True, 0, 0)],
+    ids=["no-cuda", "3-gpus", "none"],
 )
-def test_num_gpus_asks_cuda_only_when_it_is_available(monkeypatch, available, count, expected):
+def test_num_gpus_asks_cuda_only_when_it_is_available(
+    monkeypatch, available, count, expected
+):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
     assert devices.num_gpus() == expected
 
 
 def test_cpu_count_is_the_cores_this_process_may_use(monkeypatch):
-    monkeypatch.setattr(devices.os, "sched_getaffinity", lambda pid: {0, 5, 7}, raising=False)
+    monkeypatch.setattr(
+        devices.os, "sched_getaffinity", lambda pid: {0, 5, 7}, raising=False
+    )
     assert devices.cpu_count() == 3
-    monkeypatch.delattr(devices.os, "sched_getaffinity", raising=False)  # macOS, Windows
+    monkeypatch.delattr(
+        devices.os, "sched_getaffinity", raising=False
+    )  # macOS, Windows
     monkeypatch.setattr(devices.os, "cpu_count", lambda: 12)
     assert devices.cpu_count() == 12
     monkeypatch.setattr(devices.os, "cpu_count", lambda: None)
@@ -91,7 +110,9 @@ def test_describe_hardware_without_gpus(monkeypatch, no_gpus):
     monkeypatch.setattr(devices, "cpu_count", lambda: 2)
     monkeypatch.setattr(torch, "__version__", "2.9.1+cpu")
     # tests/conftest.py runs every test with one thread
-    assert describe_hardware() == "Test CPU 9000, 2 cores, no GPU, torch 2.9.1, 1 thread"
+    assert (
+        describe_hardware() == "Test CPU 9000, 2 cores, no GPU, torch 2.9.1, 1 thread"
+    )
     assert describe_hardware("1").endswith(", 1 thread")  # a table's threads, as text
     assert describe_hardware(4).endswith(", 4 threads")
     assert describe_hardware("1 and 2").endswith(", 1 and 2 threads")
@@ -103,7 +124,9 @@ def test_describe_hardware_names_each_kind_of_gpu(monkeypatch):
     monkeypatch.setattr(devices, "cpu_count", lambda: 64)
     names = {0: "B200", 1: "A100", 2: "B200"}
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: names[i])
-    assert describe_hardware().startswith("Test CPU 9000, 64 cores, 3 x GPU (A100, B200), torch ")
+    assert describe_hardware().startswith(
+        "Test CPU 9000, 64 cores, 3 x GPU (A100, B200), torch "
+    )
 
 
 def test_cpu_name_is_a_real_name():

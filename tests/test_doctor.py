@@ -22,7 +22,11 @@ def machine(monkeypatch):
     """
     monkeypatch.setattr(doctor, "cpu_name", lambda: "Test CPU 9000")
     monkeypatch.setattr(doctor, "cpu_count", lambda: 2)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(name=f"Fake GPU {i}", total_memory=24 * 2**30))
+    monkeypatch.setattr(
+        torch.cuda,
+        "get_device_properties",
+        lambda i: SimpleNamespace(name=f"Fake GPU {i}", total_memory=24 * 2**30),
+    )
     monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 90100)
     monkeypatch.setattr(dist, "is_gloo_available", lambda: True)
     monkeypatch.setattr(dist, "is_mpi_available", lambda: False)
@@ -34,7 +38,9 @@ def machine(monkeypatch):
     def configure(gpus: int, nccl: bool) -> None:
         monkeypatch.setattr(torch.version, "cuda", "12.8" if gpus else None)
         monkeypatch.setattr(doctor, "num_gpus", lambda: gpus)
-        monkeypatch.setattr(devices, "num_gpus", lambda: gpus)  # what get_backend() asks
+        monkeypatch.setattr(
+            devices, "num_gpus", lambda: gpus
+        )  # what get_backend() asks
         monkeypatch.setattr(dist, "is_nccl_available", lambda: nccl)
 
     return configure
@@ -50,7 +56,9 @@ def test_report_on_a_cpu_only_machine(machine):
     assert report["Python"] == f"{v.major}.{v.minor}.{v.micro}"
     assert report["Platform"].startswith(platform.system())
     assert report["torch"] == torch.__version__
-    assert torchvision.__version__.split("+")[0] == report["torchvision"]  # pip lists no "+cu130"
+    assert (
+        torchvision.__version__.split("+")[0] == report["torchvision"]
+    )  # pip lists no "+cu130"
     assert report["d2l"] == "1.0.3"  # the version the Makefile pins
     assert report["CUDA (built with)"] == "none (CPU build)"
     assert report["CPU vector ISA"] == "AVX2"
@@ -69,7 +77,11 @@ def test_report_lists_each_gpu(machine, monkeypatch):
     machine(gpus=2, nccl=True)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     report = collect_report()
-    assert (report["CUDA (built with)"], report["cuDNN"], report["GPUs"]) == ("12.8", "90100", "2")
+    assert (report["CUDA (built with)"], report["cuDNN"], report["GPUs"]) == (
+        "12.8",
+        "90100",
+        "2",
+    )
     assert report["  cuda:0"] == "Fake GPU 0, 24.0 GiB"
     assert report["  cuda:1"] == "Fake GPU 1, 24.0 GiB"
     assert list(report).index("  cuda:1") == list(report).index("GPUs") + 2
@@ -87,7 +99,9 @@ def test_report_lists_each_gpu(machine, monkeypatch):
         (False, True, True, "torch.distributed unavailable"),
     ],
 )
-def test_report_names_the_distributed_backends(machine, monkeypatch, available, gloo, mpi, text):
+def test_report_names_the_distributed_backends(
+    machine, monkeypatch, available, gloo, mpi, text
+):
     machine(gpus=1, nccl=True)
     monkeypatch.setattr(dist, "is_available", lambda: available)
     monkeypatch.setattr(dist, "is_gloo_available", lambda: gloo)
@@ -123,18 +137,34 @@ NO_GPU = (
             2,
             [
                 NO_GPU,
-                "Only 2 CPU cores: run at most 2 processes at once, one thread each "
-                "(torchrun sets OMP_NUM_THREADS=1).",
+                (
+                    "Only 2 CPU cores: run at most 2 processes at once, one thread "
+                    "each "
+                    "(torchrun sets OMP_NUM_THREADS=1)."
+                ),
             ],
         ),
-        ("1", 4, ["One GPU: chapters run on cuda:0; multi-device chapters fall back to processes on it."]),
+        (
+            "1",
+            4,
+            [
+                (
+                    "One GPU: chapters run on cuda:0; multi-device chapters fall back "
+                    "to "
+                    "processes on it."
+                )
+            ],
+        ),
         (
             "3",
             3,
             [
                 "3 GPUs: multi-device chapters use real GPUs and nccl.",
-                "Only 3 CPU cores: run at most 3 processes at once, one thread each "
-                "(torchrun sets OMP_NUM_THREADS=1).",
+                (
+                    "Only 3 CPU cores: run at most 3 processes at once, one thread "
+                    "each "
+                    "(torchrun sets OMP_NUM_THREADS=1)."
+                ),
             ],
         ),
     ],
@@ -145,7 +175,11 @@ def test_advice_for_each_machine(monkeypatch, gpus, cores, advice):
 
 
 def test_main_prints_aligned_report_then_advice(monkeypatch, capsys):
-    monkeypatch.setattr(doctor, "collect_report", lambda: {"torch": "2.0", "GPUs": "1", "Long name": "x"})
+    monkeypatch.setattr(
+        doctor,
+        "collect_report",
+        lambda: {"torch": "2.0", "GPUs": "1", "Long name": "x"},
+    )
     monkeypatch.setattr(doctor, "cpu_count", lambda: 16)
     doctor.main()
     assert capsys.readouterr().out.splitlines() == [
@@ -153,13 +187,20 @@ def test_main_prints_aligned_report_then_advice(monkeypatch, capsys):
         "  torch      2.0",
         "  GPUs       1",
         "  Long name  x",
-        "- One GPU: chapters run on cuda:0; multi-device chapters fall back to processes on it.",
+        (
+            "- One GPU: chapters run on cuda:0; multi-device chapters fall back to "
+            "processes on it."
+        ),
     ]
 
 
 def test_doctor_command_prints_report_and_advice():
     out = subprocess.run(
-        [sys.executable, "-m", "companion.doctor"], capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, "-m", "companion.doctor"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     ).stdout
     lines = out.splitlines()
     assert lines[0].startswith("companion doctor")

@@ -26,8 +26,18 @@ def test_unknown_placement_is_refused() -> None:
 
 def test_one_panel_per_layout_and_rank() -> None:
     layouts = [
-        {"label": "Shard(0)", "placement": "Shard(0)", "global_shape": [2, 4], "locals": ROWS},
-        {"label": "Shard(1)", "placement": "Shard(1)", "global_shape": [2, 4], "locals": COLS},
+        {
+            "label": "Shard(0)",
+            "placement": "Shard(0)",
+            "global_shape": [2, 4],
+            "locals": ROWS,
+        },
+        {
+            "label": "Shard(1)",
+            "placement": "Shard(1)",
+            "global_shape": [2, 4],
+            "locals": COLS,
+        },
     ]
     fig = plot_placements(layouts)
     assert len(fig.axes) == 4

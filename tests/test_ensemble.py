@@ -71,7 +71,9 @@ def test_functional_call_on_template_matches_module(spirals):
     torch.manual_seed(1)
     template, params, _ = init_ensemble(1, SGD())
     member = unstack(params, 1)[0]
-    torch.testing.assert_close(functional_call(template, member, (points,)), model(points))
+    torch.testing.assert_close(
+        functional_call(template, member, (points,)), model(points)
+    )
 
 
 def test_adam_matches_torch_optim(spirals):
@@ -94,7 +96,9 @@ def test_adam_matches_torch_optim(spirals):
 
 
 @pytest.mark.parametrize("optimizer", [SGD(), Adam(lr=0.02)], ids=["sgd", "adam"])
-@pytest.mark.parametrize("subset_size", [None, 32], ids=["shared-data", "per-model-subsets"])
+@pytest.mark.parametrize(
+    "subset_size", [None, 32], ids=["shared-data", "per-model-subsets"]
+)
 def test_vmap_ensemble_equals_python_loop(spirals, optimizer, subset_size):
     points, labels = spirals
     template, params, state = init_ensemble(4, optimizer)
@@ -188,7 +192,12 @@ def test_benchmark_ensemble_reports_every_count():
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 2
     assert [row["models"] for row in rows] == [1, 3]
     for n, row in zip([1, 3], rows):
-        for key, name in [("module loop", "module loop"), ("loop", "loop"), ("vmap", "vmap"), ("compiled", "compiled vmap")]:
+        for key, name in [
+            ("module loop", "module loop"),
+            ("loop", "loop"),
+            ("vmap", "vmap"),
+            ("compiled", "compiled vmap"),
+        ]:
             assert row[key].label == f"{name}, {n} models"
         assert row["compile"] > 0
     lines = format_speed_table(rows).splitlines()
@@ -206,7 +215,10 @@ def test_benchmark_ensemble_reports_every_count():
 def test_benchmark_script_rejects_bad_input():
     script = Path(__file__).parents[1] / "benchmarks" / "ensemble_speed.py"
     result = subprocess.run(
-        [sys.executable, str(script), "--models", "0"], capture_output=True, text=True, timeout=120
+        [sys.executable, str(script), "--models", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode != 0
     assert result.stderr.strip().splitlines() == [

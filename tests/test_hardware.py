@@ -27,7 +27,9 @@ from companion.timing import Timing
 def test_read_cpu_clock_prefers_sysfs_then_cpuinfo(tmp_path):
     cpufreq = tmp_path / "cpuinfo_max_freq"
     cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text("processor\t: 0\nmodel name\t: Test CPU\ncpu MHz\t\t: 2600.000\n")
+    cpuinfo.write_text(
+        "processor\t: 0\nmodel name\t: Test CPU\ncpu MHz\t\t: 2600.000\n"
+    )
     assert read_cpu_clock(cpufreq, cpuinfo) == (2.6, "current clock from /proc/cpuinfo")
     cpufreq.write_text("3500000\n")
     assert read_cpu_clock(cpufreq, cpuinfo) == (3.5, "maximum clock from sysfs")
@@ -41,28 +43,40 @@ def test_read_cpu_clock_prefers_sysfs_then_cpuinfo(tmp_path):
 
 def test_cpu_flags_and_bf16_support(tmp_path):
     cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512_bf16 amx_bf16\nbugs\t\t: spectre_v1\n")
+    cpuinfo.write_text(
+        "processor\t: 0\nflags\t\t: fpu avx2 avx512_bf16 amx_bf16\nbugs\t\t: "
+        "spectre_v1\n"
+    )
     assert cpu_flags(cpuinfo) == {"fpu", "avx2", "avx512_bf16", "amx_bf16"}
-    assert bf16_matmul_support(cpuinfo) == "amx_bf16"  # AMX first: it is the faster path
+    assert (
+        bf16_matmul_support(cpuinfo) == "amx_bf16"
+    )  # AMX first: it is the faster path
     cpuinfo.write_text("flags\t\t: fpu avx2 avx512_bf16\n")
     assert bf16_matmul_support(cpuinfo) == "avx512_bf16"
     cpuinfo.write_text("flags\t\t: fpu avx2\n")
     assert bf16_matmul_support(cpuinfo) is None
-    assert cpu_flags(tmp_path / "none") == set() and bf16_matmul_support(tmp_path / "none") is None
+    assert (
+        cpu_flags(tmp_path / "none") == set()
+        and bf16_matmul_support(tmp_path / "none") is None
+    )
 
 
 def test_estimate_cpu_peak_arithmetic():
     peak = estimate_cpu_peak(cores=2, clock_ghz=2.5, isa="AVX512")
     assert peak.gflops == pytest.approx(2 * 2.5 * 64)
     assert "320 GFLOP/s = 2 cores x 2.50 GHz x 64 FLOP/cycle (AVX512" in str(peak)
-    assert estimate_cpu_peak(cores=4, clock_ghz=3.0, isa="AVX2").gflops == pytest.approx(384)
+    assert estimate_cpu_peak(
+        cores=4, clock_ghz=3.0, isa="AVX2"
+    ).gflops == pytest.approx(384)
 
 
 def test_estimate_cpu_peak_says_when_unknown():
     unknown_isa = estimate_cpu_peak(cores=2, clock_ghz=2.5, isa="DEFAULT")
     assert unknown_isa.gflops is None and "'DEFAULT'" in str(unknown_isa)
     no_clock = PeakEstimate(2, None, 64, "AVX512", "the CPU clock could not be read")
-    assert no_clock.gflops is None and str(no_clock).startswith("unknown: the CPU clock")
+    assert no_clock.gflops is None and str(no_clock).startswith(
+        "unknown: the CPU clock"
+    )
     with pytest.raises(ValueError, match="at least one core"):
         estimate_cpu_peak(cores=0)
     with pytest.raises(ValueError, match="must be positive"):
@@ -80,18 +94,35 @@ def test_estimate_cpu_peak_on_this_machine():
 
 
 @pytest.mark.parametrize(
-    "usable, physical, cores", [(8, 4, 4), (2, 16, 2), (8, None, 8)], ids=["smt", "affinity", "unknown"]
+    "usable, physical, cores",
+    [(8, 4, 4), (2, 16, 2), (8, None, 8)],
+    ids=["smt", "affinity", "unknown"],
 )
-def test_estimate_cpu_peak_detects_cores_clock_and_isa(monkeypatch, usable, physical, cores):
-    # SMT siblings share the FMA units: count physical cores, within those this process may use.
+def test_estimate_cpu_peak_detects_cores_clock_and_isa(
+    monkeypatch, usable, physical, cores
+):
+    # SMT siblings share the FMA units: count physical cores, within those this
+    # process may use.
     monkeypatch.setattr(hardware, "cpu_count", lambda: usable)
-    monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: physical if logical is False else 2 * usable)
+    monkeypatch.setattr(
+        psutil,
+        "cpu_count",
+        lambda logical=True: physical if logical is False else 2 * usable,
+    )
     monkeypatch.setattr(hardware, "read_cpu_clock", lambda: (2.0, "from the test"))
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     peak = estimate_cpu_peak()
-    assert (peak.cores, peak.clock_ghz, peak.isa, peak.clock_source) == (cores, 2.0, "AVX2", "from the test")
+    assert (peak.cores, peak.clock_ghz, peak.isa, peak.clock_source) == (
+        cores,
+        2.0,
+        "AVX2",
+        "from the test",
+    )
     assert peak.gflops == cores * 2.0 * 32
-    assert estimate_cpu_peak(cores=3, clock_ghz=1.5).clock_source == "clock given by the caller"
+    assert (
+        estimate_cpu_peak(cores=3, clock_ghz=1.5).clock_source
+        == "clock given by the caller"
+    )
 
 
 @pytest.fixture
@@ -109,11 +140,15 @@ def timed(monkeypatch):
 
 def test_matmul_gflops_counts_two_n_cubed_flops(timed):
     # 2 x 100^3 = 2e6 FLOPs in 1 ms: 2 GFLOP/s.
-    assert measure_matmul_gflops(100, min_run_time=0.5, num_threads=3) == pytest.approx(2.0, rel=1e-12)
+    assert measure_matmul_gflops(100, min_run_time=0.5, num_threads=3) == pytest.approx(
+        2.0, rel=1e-12
+    )
     ((fn, (a, b), kwargs),) = timed
     assert fn is torch.mm and a.shape == b.shape == (100, 100)
     assert kwargs["out"].shape == (100, 100)
-    measure_matmul_gflops(4, device="meta")  # the tensors are made on the device asked for
+    measure_matmul_gflops(
+        4, device="meta"
+    )  # the tensors are made on the device asked for
     assert {t.device.type for t in (*timed[1][1], timed[1][2]["out"])} == {"meta"}
     assert (kwargs["min_run_time"], kwargs["num_threads"]) == (0.5, 3)
 
@@ -124,7 +159,11 @@ def test_bandwidth_is_the_best_of_copy_and_add_counting_bytes_read_and_written(t
     assert measure_bandwidth(4000, min_run_time=0.5) == pytest.approx(12e-3)
     (copy_fn, (src,), copy_kwargs), (add_fn, (a, b), add_kwargs) = timed
     assert src.nbytes == 4000 and copy_fn.__self__.shape == src.shape
-    assert add_fn is torch.add and a.nbytes == b.nbytes == 4000 and add_kwargs["out"].shape == a.shape
+    assert (
+        add_fn is torch.add
+        and a.nbytes == b.nbytes == 4000
+        and add_kwargs["out"].shape == a.shape
+    )
     assert copy_kwargs["min_run_time"] == add_kwargs["min_run_time"] == 0.5
     assert measure_bandwidth(4003) == pytest.approx(12e-3)  # whole float32s only
     assert measure_bandwidth(4) == pytest.approx(12e-6)
@@ -148,7 +187,9 @@ def test_measurements_are_positive_rates():
         measure_matmul_gflops(0)
     with pytest.raises(ValueError, match="at least 4 bytes"):
         measure_bandwidth(3)
-    assert measure_matmul_gflops(1, min_run_time=0.01) > 0  # the smallest sizes are allowed
+    assert (
+        measure_matmul_gflops(1, min_run_time=0.01) > 0
+    )  # the smallest sizes are allowed
 
 
 def test_measure_limits_uses_the_measurements(monkeypatch):
@@ -164,20 +205,30 @@ def test_measure_limits_uses_the_measurements(monkeypatch):
 
     monkeypatch.setattr(hardware, "measure_matmul_gflops", gflops)
     monkeypatch.setattr(hardware, "measure_bandwidth", gbs)
-    monkeypatch.setattr(hardware, "estimate_cpu_peak", lambda: PeakEstimate(2, 2.5, 64, "AVX512", "given"))
+    monkeypatch.setattr(
+        hardware,
+        "estimate_cpu_peak",
+        lambda: PeakEstimate(2, 2.5, 64, "AVX512", "given"),
+    )
     monkeypatch.setattr(hardware, "describe_hardware", lambda: "the test machine")
     limits = measure_limits(n=64, nbytes=2**21, min_run_time=0.1)
     cpu = torch.device("cpu")
     assert seen == [("matmul", 64, cpu, 0.1), ("copy", 2**21, cpu, 0.1)]
-    assert (limits.device, limits.matmul_gflops, limits.matmul_size) == ("cpu", 150.0, 64)
+    assert (limits.device, limits.matmul_gflops, limits.matmul_size) == (
+        "cpu",
+        150.0,
+        64,
+    )
     assert (limits.bandwidth_gbs, limits.copy_bytes) == (12.0, 2**21)
     assert limits.hardware == "the test machine"
     assert limits.peak_fraction == pytest.approx(150 / 320)
     assert str(limits).splitlines()[:4] == [
         "fp32 matmul (64 x 64): 150 GFLOP/s",
         "memory bandwidth (best of copy and add, 2 MiB buffers): 12 GB/s",
-        "peak fp32 estimate: 320 GFLOP/s = 2 cores x 2.50 GHz x 64 FLOP/cycle "
-        "(AVX512, two FMA units assumed; given)",
+        (
+            "peak fp32 estimate: 320 GFLOP/s = 2 cores x 2.50 GHz x 64 FLOP/cycle "
+            "(AVX512, two FMA units assumed; given)"
+        ),
         "matmul reaches 0.47× the estimated peak",
     ]
     # On an accelerator the peak is not estimated (the tensors are never made here).
@@ -187,23 +238,39 @@ def test_measure_limits_uses_the_measurements(monkeypatch):
 def test_measure_limits_and_compare():
     limits = measure_limits(n=128, nbytes=2**20, min_run_time=0.02)
     text = str(limits)
-    assert "fp32 matmul (128 x 128)" in text and "best of copy and add, 1 MiB buffers" in text
+    assert (
+        "fp32 matmul (128 x 128)" in text
+        and "best of copy and add, 1 MiB buffers" in text
+    )
     assert text.splitlines()[-1].startswith("Measured on: ")
     if limits.peak is not None and limits.peak.gflops is not None:
-        assert limits.peak_fraction == pytest.approx(limits.matmul_gflops / limits.peak.gflops)
+        assert limits.peak_fraction == pytest.approx(
+            limits.matmul_gflops / limits.peak.gflops
+        )
 
 
 def test_compare_against_limits():
     limits = MachineLimits(
-        device="cpu", matmul_gflops=200.0, matmul_size=2048, bandwidth_gbs=20.0,
-        copy_bytes=2**28, peak=PeakEstimate(2, 2.5, 64, "AVX512", "given"), hardware="test",
+        device="cpu",
+        matmul_gflops=200.0,
+        matmul_size=2048,
+        bandwidth_gbs=20.0,
+        copy_bytes=2**28,
+        peak=PeakEstimate(2, 2.5, 64, "AVX512", "given"),
+        hardware="test",
     )
     assert limits.peak_fraction == pytest.approx(200 / 320)
     assert limits.compare(100.0) == (
-        "100 GFLOP/s is 0.50× the matmul rate (0.31× the estimated peak) of this machine."
+        "100 GFLOP/s is 0.50× the matmul rate (0.31× the estimated peak) of this "
+        "machine."
     )
-    assert limits.compare(gbs=5.0) == "5 GB/s is 0.25× the memory bandwidth of this machine."
-    with pytest.raises(ValueError, match=r"^Give an achieved gflops or gbs to compare\.$"):
+    assert (
+        limits.compare(gbs=5.0)
+        == "5 GB/s is 0.25× the memory bandwidth of this machine."
+    )
+    with pytest.raises(
+        ValueError, match=r"^Give an achieved gflops or gbs to compare\.$"
+    ):
         limits.compare()
     assert limits.compare(50.0, 40.0) == (
         "50 GFLOP/s is 0.25× the matmul rate (0.16× the estimated peak); "
@@ -211,11 +278,28 @@ def test_compare_against_limits():
     )
     no_peak = MachineLimits("cuda:0", 200.0, 2048, 20.0, 2**28, None, "test")
     assert no_peak.peak_fraction is None
-    assert str(no_peak).splitlines()[2] == "peak fp32: not estimated on an accelerator (see its datasheet)"
-    assert no_peak.compare(100.0) == "100 GFLOP/s is 0.50× the matmul rate of this machine."
-    unknown = MachineLimits("cpu", 200.0, 2048, 20.0, 2**28, PeakEstimate(2, None, 64, "AVX512", "no clock"), "test")
+    assert (
+        str(no_peak).splitlines()[2]
+        == "peak fp32: not estimated on an accelerator (see its datasheet)"
+    )
+    assert (
+        no_peak.compare(100.0)
+        == "100 GFLOP/s is 0.50× the matmul rate of this machine."
+    )
+    unknown = MachineLimits(
+        "cpu",
+        200.0,
+        2048,
+        20.0,
+        2**28,
+        PeakEstimate(2, None, 64, "AVX512", "no clock"),
+        "test",
+    )
     assert unknown.peak_fraction is None
-    assert unknown.compare(100.0) == "100 GFLOP/s is 0.50× the matmul rate of this machine."
+    assert (
+        unknown.compare(100.0)
+        == "100 GFLOP/s is 0.50× the matmul rate of this machine."
+    )
     assert str(unknown).splitlines()[2:] == [
         "peak fp32 estimate: unknown: no clock",
         "matmul vs peak: unknown, only measured numbers are reported",

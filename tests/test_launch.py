@@ -33,7 +33,11 @@ def wait_for_files(pid_dir: Path, count: int, timeout: float = 60) -> None:
 
 
 def alive(pids: set[int]) -> set[int]:
-    return {p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE}
+    return {
+        p
+        for p in pids
+        if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+    }
 
 
 def test_plain_python_runs_one_process():
@@ -41,39 +45,63 @@ def test_plain_python_runs_one_process():
 
 
 def test_failing_script_gives_one_sentence(tmp_path):
-    with pytest.raises(LaunchError, match="exit code 3; its last line: hang.py: something went wrong"):
+    with pytest.raises(
+        LaunchError, match="exit code 3; its last line: hang.py: something went wrong"
+    ):
         launch(HANG, ["--pid-dir", str(tmp_path), "--fail"], nproc=None, timeout=60)
 
 
 def test_results_env_and_threads_reach_the_script(capsys):
-    out = launch(ECHO, ["a", "b"], nproc=None, timeout=60, env={"COURSE_TEST_VALUE": "42"})
-    assert out["argv"] == ["a", "b"]  # --results was appended after the script's own arguments
-    assert out["env"]["COURSE_TEST_VALUE"] == "42" and out["env"]["PYTHONUNBUFFERED"] == "1"
+    out = launch(
+        ECHO, ["a", "b"], nproc=None, timeout=60, env={"COURSE_TEST_VALUE": "42"}
+    )
+    assert out["argv"] == [
+        "a",
+        "b",
+    ]  # --results was appended after the script's own arguments
+    assert (
+        out["env"]["COURSE_TEST_VALUE"] == "42"
+        and out["env"]["PYTHONUNBUFFERED"] == "1"
+    )
     assert int(out["env"]["OMP_NUM_THREADS"]) >= 1
-    out = launch(ECHO, nproc=None, timeout=60, env={"OMP_NUM_THREADS": "7"})  # env= wins over the default
+    out = launch(
+        ECHO, nproc=None, timeout=60, env={"OMP_NUM_THREADS": "7"}
+    )  # env= wins over the default
     assert out["env"]["OMP_NUM_THREADS"] == "7"
-    assert "echo_env: 0 extra argument(s)" in capsys.readouterr().out  # the output streams through
+    assert (
+        "echo_env: 0 extra argument(s)" in capsys.readouterr().out
+    )  # the output streams through
 
 
 def test_results_false_passes_no_results_file_and_returns_nothing(capsys):
     assert launch(ECHO, ["x"], nproc=None, timeout=60, results=False) == {}
-    assert "echo_env: 1 extra argument(s)" in capsys.readouterr().out  # it ran, without --results
+    assert (
+        "echo_env: 1 extra argument(s)" in capsys.readouterr().out
+    )  # it ran, without --results
 
 
 def test_a_script_that_writes_no_results_is_an_error():
-    with pytest.raises(LaunchError, match="echo_env.py finished but wrote no results file."):
+    with pytest.raises(
+        LaunchError, match="echo_env.py finished but wrote no results file."
+    ):
         launch(ECHO, ["--skip-results"], nproc=None, timeout=60)
 
 
 @pytest.mark.parametrize("nproc", [0, -1, 1.5, True])
 def test_a_bad_process_count_is_one_sentence(nproc):
-    with pytest.raises(ValueError, match=f"nproc must be a whole number of processes, at least 1, or None "
-                                         f"for plain python; not {nproc!r}."):
+    with pytest.raises(
+        ValueError,
+        match=f"nproc must be a whole number of processes, at least 1, or None "
+        f"for plain python; not {nproc!r}.",
+    ):
         launch("hello_distributed.py", nproc=nproc, timeout=60)
 
 
 def test_unknown_script_is_one_sentence():
-    with pytest.raises(FileNotFoundError, match="There is no script 'nope.py'.*available: .*hello_distributed.py"):
+    with pytest.raises(
+        FileNotFoundError,
+        match="There is no script 'nope.py'.*available: .*hello_distributed.py",
+    ):
         script_path("nope.py")
 
 
@@ -105,16 +133,24 @@ def run_in_kernel(client, code: str, timeout: float = 180) -> str:
 @pytest.mark.slow  # chapters 09 and 11 launch their scripts from a kernel in make test
 def test_from_a_notebook_kernel(kernel, tmp_path):
     _, client = kernel
-    out = run_in_kernel(client, """
+    out = run_in_kernel(
+        client,
+        """
         from companion import launch, setup_notebook
         setup_notebook()
         print("RESULT", launch("hello_distributed.py", nproc=2, timeout=120))
-    """)
-    assert "[rank 0] 2 process(es), backend gloo: sum = 3" in out  # streamed into the cell
+    """,
+    )
+    assert (
+        "[rank 0] 2 process(es), backend gloo: sum = 3" in out
+    )  # streamed into the cell
     assert "RESULT {'world_size': 2, 'backend': 'gloo', 'sum': 3.0}" in out
 
     start = time.monotonic()
-    out = run_in_kernel(client, f"launch({HANG!r}, ['--pid-dir', {str(tmp_path)!r}], nproc=2, timeout=15)")
+    out = run_in_kernel(
+        client,
+        f"launch({HANG!r}, ['--pid-dir', {str(tmp_path)!r}], nproc=2, timeout=15)",
+    )
     assert time.monotonic() - start < 40
     assert "LaunchTimeout: hang.py did not finish within 15 s" in out
     assert "Traceback" not in out  # one sentence, thanks to setup_notebook()
@@ -126,12 +162,18 @@ def test_from_a_notebook_kernel(kernel, tmp_path):
 def test_interrupting_the_kernel_leaves_no_process(kernel, tmp_path):
     manager, client = kernel
     msg_id = client.execute(
-        f"from companion import launch\nlaunch({HANG!r}, ['--pid-dir', {str(tmp_path)!r}], nproc=2, timeout=300)"
+        f"from companion import launch\nlaunch({HANG!r}, ['--pid-dir', "
+        f"{str(tmp_path)!r}], nproc=2, timeout=300)"
     )
     wait_for_files(tmp_path, 2)
     manager.interrupt_kernel()  # what the notebook's stop button does
     reply = client.get_shell_msg(timeout=60)
-    while reply["parent_header"].get("msg_id") != msg_id:  # skip replies to earlier requests
+    while (
+        reply["parent_header"].get("msg_id") != msg_id
+    ):  # skip replies to earlier requests
         reply = client.get_shell_msg(timeout=60)
-    assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
+    assert (
+        reply["content"]["status"] == "error"
+        and reply["content"]["ename"] == "KeyboardInterrupt"
+    )
     assert not alive(recorded_pids(tmp_path))

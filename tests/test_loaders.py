@@ -60,7 +60,9 @@ def test_spawned_workers_can_import_it() -> None:
     # "spawn" is the default on macOS and Windows: the worker re-imports the
     # class by name, which works because it lives in a module.
     ds = make_dataset()
-    loader = DataLoader(ds, batch_size=4, num_workers=1, multiprocessing_context="spawn")
+    loader = DataLoader(
+        ds, batch_size=4, num_workers=1, multiprocessing_context="spawn"
+    )
     batches = list(loader)
     assert [tuple(images.shape) for images, _ in batches] == [(4, 1, 32, 32)] * 3
     assert torch.cat([labels for _, labels in batches]).tolist() == ds.labels.tolist()
@@ -70,7 +72,9 @@ def test_spawned_workers_can_import_it() -> None:
 def test_measure_loading_cpu_finds_the_workers(num_workers: int) -> None:
     # 256 full-size images: enough work to register on a 10 ms CPU clock
     images, labels = torch.rand(256, 1, 28, 28), torch.zeros(256, dtype=torch.long)
-    cpu = measure_loading_cpu(JpegImageDataset(images, labels), num_workers=num_workers, epochs=1)
+    cpu = measure_loading_cpu(
+        JpegImageDataset(images, labels), num_workers=num_workers, epochs=1
+    )
     assert len(cpu.workers) == num_workers
     if num_workers:
         assert all(seconds > 0 for seconds in cpu.workers)

@@ -60,9 +60,13 @@ def test_ring_equals_naive_on_random_matrices() -> None:
 
 def test_elements_sent() -> None:
     n, k = 100, 4
-    assert allreduce_naive([torch.zeros(n) for _ in range(k)]) == [(k - 1) * n] + [n] * (k - 1)
+    assert allreduce_naive([torch.zeros(n) for _ in range(k)]) == [(k - 1) * n] + [
+        n
+    ] * (k - 1)
     # The ring: every device sends 2 (k - 1) chunks of n / k elements.
-    assert allreduce_ring([torch.zeros(n) for _ in range(k)]) == [2 * (k - 1) * n // k] * k
+    assert (
+        allreduce_ring([torch.zeros(n) for _ in range(k)]) == [2 * (k - 1) * n // k] * k
+    )
 
 
 def test_allreduce_rejects_bad_input() -> None:
@@ -92,7 +96,9 @@ def test_k_device_step_equals_one_device_step(allreduce, k: int) -> None:
     """
     gen = torch.Generator().manual_seed(0)
     params = init_lenet_params(generator=gen, dtype=torch.float64)
-    X = torch.rand(10, 1, 28, 28, generator=gen, dtype=torch.float64)  # 10 = 4 + 3 + 3 for k = 3
+    X = torch.rand(
+        10, 1, 28, 28, generator=gen, dtype=torch.float64
+    )  # 10 = 4 + 3 + 3 for k = 3
     y = torch.randint(0, 10, (10,), generator=gen)
     one = [get_params(params, CPU)]
     many = [get_params(params, CPU) for _ in range(k)]
@@ -116,5 +122,7 @@ def test_without_allreduce_replicas_drift_apart() -> None:
     one = [get_params(params, CPU)]
     many = [get_params(params, CPU) for _ in range(2)]
     train_batch(X, y, one, [CPU], lr=0.5)
-    train_batch(X, y, many, [CPU, CPU], lr=0.5, allreduce=lambda grads: [0] * len(grads))
+    train_batch(
+        X, y, many, [CPU, CPU], lr=0.5, allreduce=lambda grads: [0] * len(grads)
+    )
     assert max((p - q).abs().max().item() for p, q in zip(many[0], one[0])) > 1e-6

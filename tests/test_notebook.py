@@ -21,7 +21,11 @@ def test_set_seed_makes_all_generators_repeat():
     set_seed(0)
     assert torch.rand(1).item() == zero  # the default seed is 0
     set_seed(4)
-    assert random.random() != first[0] and np.random.rand() != first[1] and torch.rand(1).item() != first[2]
+    assert (
+        random.random() != first[0]
+        and np.random.rand() != first[1]
+        and torch.rand(1).item() != first[2]
+    )
 
 
 @pytest.fixture
@@ -41,18 +45,38 @@ def run(shell, code: str, capsys) -> tuple[str, object]:
 
 
 COURSE_ERRORS = [
-    ("companion.notebook", "CourseError", "The data folder is read-only; pass root= to write elsewhere."),
-    ("companion.devices", "DeviceError", "3 devices were requested but this machine has 2 GPU(s); ask for at most 2."),
-    ("companion.data", "DataUnavailableError", "Fashion-MNIST is not in /nowhere; call load_image_data()."),
+    (
+        "companion.notebook",
+        "CourseError",
+        "The data folder is read-only; pass root= to write elsewhere.",
+    ),
+    (
+        "companion.devices",
+        "DeviceError",
+        "3 devices were requested but this machine has 2 GPU(s); ask for at most 2.",
+    ),
+    (
+        "companion.data",
+        "DataUnavailableError",
+        "Fashion-MNIST is not in /nowhere; call load_image_data().",
+    ),
     ("companion.launch", "LaunchError", "Port 29500 is busy; pass another port."),
-    ("companion.checkpoint", "CheckpointError", "ckpt.pt is corrupt; delete it and train again."),
+    (
+        "companion.checkpoint",
+        "CheckpointError",
+        "ckpt.pt is corrupt; delete it and train again.",
+    ),
 ]
 
 
-@pytest.mark.parametrize("module, name, message", COURSE_ERRORS, ids=[e[1] for e in COURSE_ERRORS])
+@pytest.mark.parametrize(
+    "module, name, message", COURSE_ERRORS, ids=[e[1] for e in COURSE_ERRORS]
+)
 def test_course_errors_show_as_one_line(shell, capsys, module, name, message):
     setup_notebook()
-    out, result = run(shell, f"from {module} import {name}\nraise {name}({message!r})", capsys)
+    out, result = run(
+        shell, f"from {module} import {name}\nraise {name}({message!r})", capsys
+    )
     assert out == f"{name}: {message}\n"  # one line, no traceback
     assert type(result.error_in_exec).__name__ == name
 
@@ -65,7 +89,11 @@ def test_other_errors_keep_their_traceback(shell, capsys):
 
 
 def test_without_setup_course_errors_show_a_traceback(shell, capsys):
-    out, _ = run(shell, "from companion.devices import DeviceError\nraise DeviceError('too many')", capsys)
+    out, _ = run(
+        shell,
+        "from companion.devices import DeviceError\nraise DeviceError('too many')",
+        capsys,
+    )
     assert "Traceback" in out and "DeviceError: too many" in out
 
 

@@ -8,7 +8,11 @@ from companion.plotting import new_axes, plot_history
 
 
 def test_one_line_per_curve_with_default_x():
-    ax = plot_history({"train loss": [3.0, 2.0, 1.0], "test loss": [3.5, 2.5]}, ylabel="loss", title="t")
+    ax = plot_history(
+        {"train loss": [3.0, 2.0, 1.0], "test loss": [3.5, 2.5]},
+        ylabel="loss",
+        title="t",
+    )
     lines = ax.get_lines()
     assert [line.get_label() for line in lines] == ["train loss", "test loss"]
     assert list(lines[0].get_xdata()) == [1, 2, 3]
@@ -19,7 +23,9 @@ def test_one_line_per_curve_with_default_x():
 
 def test_shared_x_log_scale_and_given_axes():
     (ax,) = new_axes()
-    out = plot_history({"loss": [1.0, 0.1, 0.01]}, x=[10, 20, 30], logy=True, ax=ax, xlabel="step")
+    out = plot_history(
+        {"loss": [1.0, 0.1, 0.01]}, x=[10, 20, 30], logy=True, ax=ax, xlabel="step"
+    )
     assert out is ax
     assert list(ax.get_lines()[0].get_xdata()) == [10, 20, 30]
     assert ax.get_yscale() == "log" and ax.get_xlabel() == "step"

@@ -10,7 +10,13 @@ import pytest
 import torch
 from torch.profiler import record_function
 
-from companion.profiling import Interval, concurrency, make_profiler, plot_timeline, trace_intervals
+from companion.profiling import (
+    Interval,
+    concurrency,
+    make_profiler,
+    plot_timeline,
+    trace_intervals,
+)
 
 matplotlib.use("Agg")
 
@@ -21,25 +27,48 @@ def write_trace(path, events):
 
 
 def event(name, cat, ts, dur, pid=100, tid=7, **args):
-    return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": pid, "tid": tid, "args": args}
+    return {
+        "ph": "X",
+        "name": name,
+        "cat": cat,
+        "ts": ts,
+        "dur": dur,
+        "pid": pid,
+        "tid": tid,
+        "args": args,
+    }
 
 
 def test_trace_intervals_from_a_file(tmp_path):
-    path = write_trace(tmp_path / "t.json", [
-        event("work B", "user_annotation", 3000.0, 1000.0, tid=9),
-        event("work A", "user_annotation", 1000.0, 2500.0, tid=7),
-        event("aten::mm", "cpu_op", 1100.0, 100.0, tid=7),  # category not kept
-        event("gemm", "kernel", 2000.0, 500.0, pid=0, tid=7, device=0, stream=7),
-        {"ph": "i", "name": "marker", "cat": "user_annotation", "ts": 0.0, "pid": 100, "tid": 7},
-    ])
+    path = write_trace(
+        tmp_path / "t.json",
+        [
+            event("work B", "user_annotation", 3000.0, 1000.0, tid=9),
+            event("work A", "user_annotation", 1000.0, 2500.0, tid=7),
+            event("aten::mm", "cpu_op", 1100.0, 100.0, tid=7),  # category not kept
+            event("gemm", "kernel", 2000.0, 500.0, pid=0, tid=7, device=0, stream=7),
+            {
+                "ph": "i",
+                "name": "marker",
+                "cat": "user_annotation",
+                "ts": 0.0,
+                "pid": 100,
+                "tid": 7,
+            },
+        ],
+    )
     intervals = trace_intervals(path)
     assert [i.name for i in intervals] == ["work A", "gemm", "work B"]
     first = intervals[0]
     assert (first.row, first.start, first.end) == ("thread 0", 0.0, 2.5)
     assert intervals[1].row == "cuda:0 stream 7"
     assert intervals[2].row == "thread 1" and intervals[2].start == pytest.approx(2.0)
-    assert trace_intervals(path, names=["work B"]) == [Interval("thread 0", "work B", 0.0, 1.0)]
-    assert [i.name for i in trace_intervals(path, categories=["cpu_op"])] == ["aten::mm"]
+    assert trace_intervals(path, names=["work B"]) == [
+        Interval("thread 0", "work B", 0.0, 1.0)
+    ]
+    assert [i.name for i in trace_intervals(path, categories=["cpu_op"])] == [
+        "aten::mm"
+    ]
 
 
 def test_trace_intervals_rejects_bad_input(tmp_path):
@@ -73,7 +102,9 @@ def test_profiler_sees_python_threads():
 
     with make_profiler() as prof:
         work("main")
-        threads = [threading.Thread(target=work, args=(f"worker {k}",)) for k in range(2)]
+        threads = [
+            threading.Thread(target=work, args=(f"worker {k}",)) for k in range(2)
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -99,7 +130,10 @@ def test_plot_timeline_one_row_per_thread():
     ]
     ax = plot_timeline(intervals, title="t")
     assert [t.get_text() for t in ax.get_yticklabels()] == [
-        "thread 0", "thread 2", "thread 10", "cuda:0 stream 7"
+        "thread 0",
+        "thread 2",
+        "thread 10",
+        "cuda:0 stream 7",
     ]
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["a", "b", "k"]
     assert len(ax.collections) == 4  # one bar group per (name, row)

@@ -61,9 +61,21 @@ def free_port(low: int = 20000, high: int = 40000) -> int:
 
 def torchrun(gpus: list[list[str]], hosts=("host0", "host0")) -> list[dict]:
     port = str(free_port())
-    return [{"host": hosts[r], "gpus": gpus[r],
-             "env": {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}} for r in range(2)]  # fmt: skip
+    return [
+        {
+            "host": hosts[r],
+            "gpus": gpus[r],
+            "env": {
+                "RANK": str(r),
+                "LOCAL_RANK": str(r),
+                "WORLD_SIZE": "2",
+                "LOCAL_WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+            },
+        }
+        for r in range(2)
+    ]
 
 
 def srun(gpus: list[list[str]], nodes: int, nodelist: str | None) -> list[dict]:
@@ -71,23 +83,42 @@ def srun(gpus: list[list[str]], nodes: int, nodelist: str | None) -> list[dict]:
     procs = []
     for r in range(2):
         node = r if nodes == 2 else 0
-        env = {"SLURM_PROCID": str(r), "SLURM_LOCALID": str(r if nodes == 1 else 0), "SLURM_NTASKS": "2",
-               "SLURM_NNODES": str(nodes), "SLURM_NODEID": str(node), "SLURM_JOB_ID": job}  # fmt: skip
+        env = {
+            "SLURM_PROCID": str(r),
+            "SLURM_LOCALID": str(r if nodes == 1 else 0),
+            "SLURM_NTASKS": "2",
+            "SLURM_NNODES": str(nodes),
+            "SLURM_NODEID": str(node),
+            "SLURM_JOB_ID": job,
+        }
         if nodelist:
             env["SLURM_JOB_NODELIST"] = nodelist
         procs.append({"host": f"node{node + 1}", "gpus": gpus[r], "env": env})
     return procs
 
 
-# name: (processes, expected outcome: "gloo", "nccl" or an error to find in every rank's sentence)
+# name: (processes, expected outcome: "gloo", "nccl" or an error to find in every
+# rank's sentence)
 CASES = {
     "torchrun, no GPU": (lambda: torchrun([[], []]), "gloo"),
-    "torchrun, 2 GPUs per node": (lambda: torchrun([["G0", "G1"], ["G0", "G1"]]), "nccl"),
+    "torchrun, 2 GPUs per node": (
+        lambda: torchrun([["G0", "G1"], ["G0", "G1"]]),
+        "nccl",
+    ),
     "torchrun, 1 GPU for 2 processes": (lambda: torchrun([["G0"], ["G0"]]), "gloo"),
-    "torchrun, a GPU on one rank only": (lambda: torchrun([["G0"], []], hosts=("host0", "host1")), "gloo"),
-    "srun, 1 node, --gpus-per-task=1": (lambda: srun([["G0"], ["G1"]], 1, None), "nccl"),
+    "torchrun, a GPU on one rank only": (
+        lambda: torchrun([["G0"], []], hosts=("host0", "host1")),
+        "gloo",
+    ),
+    "srun, 1 node, --gpus-per-task=1": (
+        lambda: srun([["G0"], ["G1"]], 1, None),
+        "nccl",
+    ),
     "srun, 2 nodes": (lambda: srun([["G0"], ["G0"]], 2, "node[1-2]"), "nccl"),
-    "srun, 2 nodes, no node list": (lambda: srun([["G0"], ["G0"]], 2, None), "MASTER_ADDR"),
+    "srun, 2 nodes, no node list": (
+        lambda: srun([["G0"], ["G0"]], 2, None),
+        "MASTER_ADDR",
+    ),
 }
 EXPECTED_DEVICES = {  # device_id per rank when nccl is chosen
     "torchrun, 2 GPUs per node": ["cuda:0", "cuda:1"],
@@ -100,11 +131,24 @@ def make_plan() -> list[dict]:
     plan = []
     for script in ALL:
         for name, (processes, expected) in CASES.items():
-            plan.append({"name": name, "script": str(SCRIPTS / script), "args": ["--timeout", "60"],
-                         "processes": processes(), "expected": expected})  # fmt: skip
-    plan.append({"name": "torchrun, 1 GPU for 2 processes, --backend nccl", "script": str(SCRIPTS / "ddp_train.py"),
-                 "args": ["--timeout", "60", "--backend", "nccl"], "processes": torchrun([["G0"], ["G0"]]),
-                 "expected": "the nccl backend needs one GPU per process, but host0 has 1 GPU(s) for 2 processes"})
+            plan.append(
+                {
+                    "name": name,
+                    "script": str(SCRIPTS / script),
+                    "args": ["--timeout", "60"],
+                    "processes": processes(),
+                    "expected": expected,
+                }
+            )
+    plan.append(
+        {
+            "name": "torchrun, 1 GPU for 2 processes, --backend nccl",
+            "script": str(SCRIPTS / "ddp_train.py"),
+            "args": ["--timeout", "60", "--backend", "nccl"],
+            "processes": torchrun([["G0"], ["G0"]]),
+            "expected": "the nccl backend needs one GPU per process, but host0 has 1 GPU(s) for 2 processes",
+        }
+    )
     return plan
 
 
@@ -115,9 +159,17 @@ def outcomes(tmp_path_factory) -> list[tuple[dict, list[dict]]]:
     plan = make_plan()
     (tmp / "plan.json").write_text(json.dumps(plan))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
-    procs = [subprocess.Popen([sys.executable, FAKE, tmp / "plan.json", str(r), tmp / f"rank{r}.json"], cwd=ROOT,
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(2)]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [sys.executable, FAKE, tmp / "plan.json", str(r), tmp / f"rank{r}.json"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
     texts = [p.communicate(timeout=280) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], texts
     ranks = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
@@ -137,19 +189,32 @@ def test_every_rank_reaches_the_same_decision(outcomes, index):
             assert rec.get("backend") == expected, (rank, rec)
             assert "error" not in rec, (rank, rec)
         devices = [rank0["device_id"], rank1["device_id"]]
-        assert devices == EXPECTED_DEVICES.get(case["name"], [None, None])  # nccl: device_id names the GPU
+        assert devices == EXPECTED_DEVICES.get(
+            case["name"], [None, None]
+        )  # nccl: device_id names the GPU
         if expected == "nccl":
             assert [rank0.get("set_device"), rank1.get("set_device")] == devices
         if case["name"] == "srun, 2 nodes":
-            port = int(case["processes"][0]["env"]["SLURM_JOB_ID"])  # 20000 + id % 20000
+            port = int(
+                case["processes"][0]["env"]["SLURM_JOB_ID"]
+            )  # 20000 + id % 20000
             assert rank0["master"] == rank1["master"] == f"node1:{port}"
     else:
-        # The same sentence on both ranks, a non-zero exit everywhere, printed once (by rank 0).
+        # The same sentence on both ranks, a non-zero exit everywhere, printed
+        # once (by rank 0).
         assert rank0["exit_code"] == rank1["exit_code"] == 2, (rank0, rank1)
-        assert expected in rank0.get("error", "") and rank0.get("error") == rank1.get("error"), (rank0, rank1)
+        assert expected in rank0.get("error", "") and rank0.get("error") == rank1.get(
+            "error"
+        ), (rank0, rank1)
         lines = rank0["stderr"].strip().splitlines()
-        assert lines == [f"{Path(case['script']).name}: error: {rank0['error']}"], rank0["stderr"]
-        assert rank1["stderr"].strip() == "" and "backend" not in rank0 and "backend" not in rank1
+        assert lines == [f"{Path(case['script']).name}: error: {rank0['error']}"], (
+            rank0["stderr"]
+        )
+        assert (
+            rank1["stderr"].strip() == ""
+            and "backend" not in rank0
+            and "backend" not in rank1
+        )
 
 
 def test_the_plan_covers_every_script():
@@ -158,10 +223,18 @@ def test_the_plan_covers_every_script():
 
 @pytest.mark.parametrize("script", ALL)
 def test_help_shows_launch_lines_outputs_and_exit_codes(script):
-    text = subprocess.run([sys.executable, SCRIPTS / script, "--help"], capture_output=True, text=True,
-                          timeout=60).stdout  # fmt: skip
+    text = subprocess.run(
+        [sys.executable, SCRIPTS / script, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
     text = " ".join(text.split())  # argparse wraps option help at the terminal width
-    assert "torchrun --standalone" in text and "torchrun --nnodes=2" in text and "srun" in text
+    assert (
+        "torchrun --standalone" in text
+        and "torchrun --nnodes=2" in text
+        and "srun" in text
+    )
     assert "Exit codes:" in text and "--timeout" in text and "default: 600" in text
     assert "--results" in text
     if script == "ddp_resnet.py":
@@ -174,15 +247,28 @@ def test_an_old_torch_gets_one_sentence(script, tmp_path):
     fake = tmp_path / "torch"
     fake.mkdir()
     (fake / "__init__.py").write_text('__version__ = "2.0.0"\n')
-    proc = subprocess.run([sys.executable, SCRIPTS / script], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(tmp_path)})  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, SCRIPTS / script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )
     assert proc.returncode == 2
     assert proc.stderr.startswith(f"{script}: error: this script needs PyTorch 2.")
     assert "not 2.0.0" in proc.stderr and proc.stderr.count("\n") == 1
 
 
-@pytest.mark.parametrize("nodelist, first", [("gpu[07-08,10],cpu1", "gpu07"), ("node-a,node-b", "node-a"),
-                                             ("n[001-004]", "n001"), ("single", "single"), ("", "")])
+@pytest.mark.parametrize(
+    "nodelist, first",
+    [
+        ("gpu[07-08,10],cpu1", "gpu07"),
+        ("node-a,node-b", "node-a"),
+        ("n[001-004]", "n001"),
+        ("single", "single"),
+        ("", ""),
+    ],
+)
 def test_first_host_of_a_slurm_node_list(nodelist, first):
     import importlib.util
 

@@ -32,14 +32,22 @@ def test_format_time_picks_unit(seconds, text):
 
 
 def test_timing_str_names_median_spread_and_runs():
-    assert str(Timing("sleep", 0.0123, 4.56e-5, 7, "hw")) == "sleep: 12.3 ms per call (IQR 45.6 us, 7 runs)"
+    assert (
+        str(Timing("sleep", 0.0123, 4.56e-5, 7, "hw"))
+        == "sleep: 12.3 ms per call (IQR 45.6 us, 7 runs)"
+    )
 
 
 def test_timings_add_up_as_calls_made_one_after_the_other():
     a = Timing("a", 0.010, 0.001, 7, "hw, 2 threads", 2)
     b = Timing("b", 0.030, 0.004, 5, "hw, 2 threads", 2)
     both = a + b
-    assert (both.label, both.runs, both.hardware, both.threads) == ("a + b", 5, "hw, 2 threads", 2)
+    assert (both.label, both.runs, both.hardware, both.threads) == (
+        "a + b",
+        5,
+        "hw, 2 threads",
+        2,
+    )
     assert both.median == pytest.approx(0.040) and both.iqr == pytest.approx(0.005)
     mixed = a + Timing("c", 0.02, 0.0, 3, "hw, 1 thread", 1)
     assert (mixed.threads, mixed.hardware) == (0, "hw, 2 threads; hw, 1 thread")
@@ -88,7 +96,9 @@ def fake_timer(monkeypatch):
 
 def test_benchmark_warms_up_before_timing(fake_timer, monkeypatch):
     events = []
-    monkeypatch.setattr(timing, "synchronize", lambda: events.append(("sync", len(calls))))
+    monkeypatch.setattr(
+        timing, "synchronize", lambda: events.append(("sync", len(calls)))
+    )
     fake_timer += [1e-3] * 8
     calls: list[int] = []
     benchmark(calls.append, 1, warmup=3, repeats=7, min_run_time=0.01)
@@ -106,7 +116,9 @@ def test_benchmark_median_and_iqr_of_the_blocks(fake_timer):
     # One call takes 1/32 s, so blocks of 0.5 s / 4 repeats hold 4 calls each.
     fake_timer += [0.03125, 0.004, 0.001, 0.003, 0.002]
     calls: list[int] = []
-    result = benchmark(calls.append, 0, label="fake", warmup=1, repeats=4, min_run_time=0.5)
+    result = benchmark(
+        calls.append, 0, label="fake", warmup=1, repeats=4, min_run_time=0.5
+    )
     (timer,) = FakeTimer.instances
     assert timer.numbers == [1, 4, 4, 4, 4]
     assert len(calls) == 1 + 1 + 16
@@ -119,7 +131,9 @@ def test_benchmark_median_and_iqr_of_the_blocks(fake_timer):
 
 def test_benchmark_passes_the_threads_on(fake_timer):
     fake_timer += [0.01, 0.02]
-    result = benchmark(lambda: None, warmup=0, repeats=1, min_run_time=0.1, num_threads=3)
+    result = benchmark(
+        lambda: None, warmup=0, repeats=1, min_run_time=0.1, num_threads=3
+    )
     # one block of 0.1 s / 1 repeat / 10 ms per call = 10 calls
     assert FakeTimer.instances[0].numbers == [1, 10]
     assert result.threads == 3 and "3 threads" in result.hardware
@@ -128,7 +142,9 @@ def test_benchmark_passes_the_threads_on(fake_timer):
 def test_benchmark_one_block_and_slow_calls(fake_timer):
     # A call slower than the whole budget: blocks of one call, never zero.
     fake_timer += [10.0, 7.0]
-    result = benchmark(lambda _: None, [], warmup=0, repeats=1, min_run_time=0.1, num_threads=3)
+    result = benchmark(
+        lambda _: None, [], warmup=0, repeats=1, min_run_time=0.1, num_threads=3
+    )
     (timer,) = FakeTimer.instances
     assert timer.numbers == [1, 1]
     assert timer.num_threads == 3
@@ -150,17 +166,34 @@ def test_benchmark_defaults_and_keyword_arguments(fake_timer):
 def test_timing_from_samples():
     two = Timing.from_samples("epochs", [3.0, 1.0], threads=3)
     # Quartiles of 1 and 3 s (exclusive method) extrapolate to 0.5 and 3.5 s.
-    assert (two.label, two.median, two.iqr, two.runs, two.threads) == ("epochs", 2.0, 3.0, 2, 3)
+    assert (two.label, two.median, two.iqr, two.runs, two.threads) == (
+        "epochs",
+        2.0,
+        3.0,
+        2,
+        3,
+    )
     assert "3 threads" in two.hardware
     one = Timing.from_samples("once", [0.5])
-    assert (one.median, one.iqr, one.runs, one.threads) == (0.5, 0.0, 1, 1)  # one thread: conftest
+    assert (one.median, one.iqr, one.runs, one.threads) == (
+        0.5,
+        0.0,
+        1,
+        1,
+    )  # one thread: conftest
     assert one.hardware.endswith("1 thread")
     with pytest.raises(ValueError, match=r"^No measurements for 'nothing'\.$"):
         Timing.from_samples("nothing", [])
 
 
 @pytest.mark.parametrize(
-    "ratio, digits, text", [(1.5, 2, "1.50×"), (12.34, 1, "12.3×"), (math.nan, 2, "n/a"), (math.inf, 1, "n/a")]
+    "ratio, digits, text",
+    [
+        (1.5, 2, "1.50×"),
+        (12.34, 1, "12.3×"),
+        (math.nan, 2, "n/a"),
+        (math.inf, 1, "n/a"),
+    ],
 )
 def test_format_ratio(ratio, digits, text):
     assert timing.format_ratio(ratio, digits) == text
@@ -185,7 +218,9 @@ def test_benchmark_tells_small_from_large_work():
 
 
 @pytest.mark.parametrize("available", [True, False])
-def test_synchronize_waits_for_the_accelerator_only_when_there_is_one(monkeypatch, available):
+def test_synchronize_waits_for_the_accelerator_only_when_there_is_one(
+    monkeypatch, available
+):
     waits = []
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: available)
     monkeypatch.setattr(torch.accelerator, "synchronize", lambda *a: waits.append(a))
@@ -248,7 +283,10 @@ def test_benchmark_context_manager_silent_on_error(capsys):
 
 def test_format_table_aligns_and_names_hardware():
     t = Timing("x", 0.002, 0.0001, 10, "hw")
-    rows = [{"variant": "eager", "time": t, "ratio": 1.0}, {"variant": "compiled", "time": t, "ratio": 2.345}]
+    rows = [
+        {"variant": "eager", "time": t, "ratio": 1.0},
+        {"variant": "compiled", "time": t, "ratio": 2.345},
+    ]
     assert format_table(rows, hardware=False) == (
         "variant   time  ratio\n"
         "--------  ----  -----\n"
@@ -262,21 +300,46 @@ def test_format_table_aligns_and_names_hardware():
 
 
 def test_format_table_names_the_threads_the_timings_used(monkeypatch):
-    monkeypatch.setattr(timing, "describe_hardware", lambda threads=None: f"test machine, threads={threads!r}")
+    monkeypatch.setattr(
+        timing,
+        "describe_hardware",
+        lambda threads=None: f"test machine, threads={threads!r}",
+    )
     one = Timing("a", 1e-3, 0.0, 7, "hw", threads=1)
     two = Timing("b", 1e-3, 0.0, 7, "hw", threads=2)
-    rows = [{"x": "1 thread", "t": one}, {"x": "2 threads", "t": two}, {"x": "again", "t": two}]
-    assert format_table(rows).splitlines()[-1] == "Measured on: test machine, threads='1 and 2'"
-    assert format_table(rows[1:]).splitlines()[-1] == "Measured on: test machine, threads='2'"
-    assert format_table(rows, threads=4).splitlines()[-1] == "Measured on: test machine, threads=4"
+    rows = [
+        {"x": "1 thread", "t": one},
+        {"x": "2 threads", "t": two},
+        {"x": "again", "t": two},
+    ]
+    assert (
+        format_table(rows).splitlines()[-1]
+        == "Measured on: test machine, threads='1 and 2'"
+    )
+    assert (
+        format_table(rows[1:]).splitlines()[-1]
+        == "Measured on: test machine, threads='2'"
+    )
+    assert (
+        format_table(rows, threads=4).splitlines()[-1]
+        == "Measured on: test machine, threads=4"
+    )
     no_timings = format_table([{"x": 1.0}])
-    assert no_timings.splitlines()[-1] == "Measured on: test machine, threads=None"  # the current setting
+    assert (
+        no_timings.splitlines()[-1] == "Measured on: test machine, threads=None"
+    )  # the current setting
 
 
 def test_format_table_of_one_row():
     # no trailing spaces where a value is wider than the last column's name
-    assert format_table([{"a": 1, "n": "long"}], hardware=False) == "a  n\n-  ----\n1  long"
-    assert format_table([{"models": 8, "note": "x"}], hardware=False) == "models  note\n------  ----\n8       x"
+    assert (
+        format_table([{"a": 1, "n": "long"}], hardware=False)
+        == "a  n\n-  ----\n1  long"
+    )
+    assert (
+        format_table([{"models": 8, "note": "x"}], hardware=False)
+        == "models  note\n------  ----\n8       x"
+    )
 
 
 def test_format_table_of_no_rows_is_the_title():

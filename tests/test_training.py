@@ -26,7 +26,9 @@ def test_accuracy_counts_matching_argmax() -> None:
     assert accuracy(logits, torch.tensor([0, 1, 0, 1])) == 1.0
     with pytest.raises(ValueError, match=r"^4 predictions but 3 labels\.$"):
         accuracy(logits, torch.tensor([0, 1, 1]))
-    with pytest.raises(ValueError, match=r"^accuracy of an empty batch is undefined\.$"):
+    with pytest.raises(
+        ValueError, match=r"^accuracy of an empty batch is undefined\.$"
+    ):
         accuracy(logits[:0], torch.tensor([], dtype=torch.long))
 
 
@@ -44,7 +46,9 @@ class ModeRecorder(nn.Module):
 
 
 @pytest.mark.parametrize("start_in_training_mode", [True, False])
-def test_evaluate_accuracy_evaluates_in_eval_mode_and_restores_it(start_in_training_mode: bool) -> None:
+def test_evaluate_accuracy_evaluates_in_eval_mode_and_restores_it(
+    start_in_training_mode: bool,
+) -> None:
     model = ModeRecorder()
     model.train(start_in_training_mode)
     batches = [(torch.tensor([[1.0], [-1.0]]), torch.tensor([1, 0]))] * 3
@@ -66,7 +70,8 @@ def test_evaluate_accuracy_switches_dropout_off() -> None:
 
 
 def test_evaluate_accuracy_weights_batches_by_their_size() -> None:
-    # 3 of 3 right, then 0 of 1: 3/4 of the examples (a mean of batch accuracies would say 1/2).
+    # 3 of 3 right, then 0 of 1: 3/4 of the examples (a mean of batch accuracies
+    # would say 1/2).
     batches = [
         (torch.tensor([[1.0], [2.0], [-1.0]]), torch.tensor([1, 1, 0])),
         (torch.tensor([[5.0]]), torch.tensor([0])),
@@ -102,7 +107,9 @@ def test_train_classifier_learns_and_returns_history() -> None:
     assert history["test accuracy"][-1] == evaluate_accuracy(model, test)
 
 
-def test_train_classifier_reports_progress_on_stdout(capsys: pytest.CaptureFixture[str]) -> None:
+def test_train_classifier_reports_progress_on_stdout(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     model = nn.Linear(2, 2)
     train = DataLoader(blobs(64), batch_size=16)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -110,12 +117,18 @@ def test_train_classifier_reports_progress_on_stdout(capsys: pytest.CaptureFixtu
     out, err = capsys.readouterr()
     assert err == ""
     assert "epoch 1/2: 100%|" in out and "4/4" in out  # the finished tqdm bar stays
-    assert re.search(r"4/4 \[[^]]*batch/s, loss ~\d\.\d{3}\]", out)  # units and the loss postfix
-    assert re.search(r"^epoch 2/2: train loss ~\d\.\d{3}, train accuracy ~\d\.\d{3} \(", out, re.M)
+    assert re.search(
+        r"4/4 \[[^]]*batch/s, loss ~\d\.\d{3}\]", out
+    )  # units and the loss postfix
+    assert re.search(
+        r"^epoch 2/2: train loss ~\d\.\d{3}, train accuracy ~\d\.\d{3} \(", out, re.M
+    )
     assert re.search(r"^epoch 2/2: .* \(\d+(\.\d+)? [mun]?s training\)$", out, re.M)
 
 
-def test_train_classifier_history_is_the_mean_over_examples(capsys: pytest.CaptureFixture[str]) -> None:
+def test_train_classifier_history_is_the_mean_over_examples(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     # With a learning rate of 0 the model never changes, so the epoch's loss and
     # accuracy are those of the fixed model over all 40 examples (batches 16, 16, 8).
     torch.manual_seed(0)
@@ -123,7 +136,10 @@ def test_train_classifier_history_is_the_mean_over_examples(capsys: pytest.Captu
     data = blobs(40, seed=3)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     history = train_classifier(
-        model, DataLoader(data, batch_size=16), optimizer, num_epochs=2,
+        model,
+        DataLoader(data, batch_size=16),
+        optimizer,
+        num_epochs=2,
         test_batches=DataLoader(data, batch_size=40),
     )
     inputs, labels = data.tensors
@@ -139,7 +155,9 @@ def test_train_classifier_history_is_the_mean_over_examples(capsys: pytest.Captu
     assert summary in capsys.readouterr().out
 
 
-def test_train_classifier_without_progress_is_silent(capsys: pytest.CaptureFixture[str]) -> None:
+def test_train_classifier_without_progress_is_silent(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     model = nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     batches = [next(iter(DataLoader(blobs(8), batch_size=8)))]  # any re-iterable works
@@ -165,12 +183,18 @@ class RecordingLinear(nn.Linear):
         return super().forward(x)
 
 
-@pytest.mark.parametrize("device", [None, "cpu"] + (["cuda:0"] if torch.cuda.is_available() else []))
-def test_train_classifier_moves_model_and_batches_to_the_device(device: str | None) -> None:
+@pytest.mark.parametrize(
+    "device", [None, "cpu"] + (["cuda:0"] if torch.cuda.is_available() else [])
+)
+def test_train_classifier_moves_model_and_batches_to_the_device(
+    device: str | None,
+) -> None:
     model = RecordingLinear()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = DataLoader(blobs(16), batch_size=8)
-    train_classifier(model, loader, optimizer, num_epochs=1, device=device, progress=False)
+    train_classifier(
+        model, loader, optimizer, num_epochs=1, device=device, progress=False
+    )
     expected = torch.device(device or "cpu")
     assert model.moved_to == [expected]
     assert model.input_devices == {expected}
@@ -182,6 +206,14 @@ def test_train_classifier_rejects_bad_input() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match=r"^num_epochs must be at least 1, not 0\.$"):
         train_classifier(model, [], optimizer, num_epochs=0)
-    with pytest.raises(ValueError, match=r"^train_classifier got no training batches\.$"):
+    with pytest.raises(
+        ValueError, match=r"^train_classifier got no training batches\.$"
+    ):
         train_classifier(model, [], optimizer, num_epochs=1, progress=False)
-    train_classifier(model, [(torch.zeros(1, 2), torch.zeros(1, dtype=torch.long))], optimizer, num_epochs=1, progress=False)
+    train_classifier(
+        model,
+        [(torch.zeros(1, 2), torch.zeros(1, dtype=torch.long))],
+        optimizer,
+        num_epochs=1,
+        progress=False,
+    )

@@ -23,8 +23,12 @@ def timing(median: float, iqr: float = 0.0) -> Timing:
 
 
 def test_printed_form_separates_claim_from_measurement():
-    assert str(check("x is even", True, "x = 4")) == "✓ x is even: yes  [measured x = 4]"
-    assert str(check("x is even", False, "x = 3")) == "✗ x is even: NO  [measured x = 3]"
+    assert (
+        str(check("x is even", True, "x = 4")) == "✓ x is even: yes  [measured x = 4]"
+    )
+    assert (
+        str(check("x is even", False, "x = 3")) == "✗ x is even: NO  [measured x = 3]"
+    )
     assert str(check("no evidence", True)) == "✓ no evidence: yes"
     assert bool(check("c", True)) and not bool(check("c", False))
 
@@ -99,10 +103,17 @@ def test_compare_speed_widens_the_band_with_the_spread():
 
 
 def test_check_faster_requires_the_speed_up_beyond_the_noise():
-    assert check_faster("f", timing(1.0), timing(2.2), at_least=2).holds  # 2.2 / 1.05 >= 2
-    assert not check_faster("f", timing(1.0), timing(2.05), at_least=2).holds  # 2.05 / 1.05 < 2
+    assert check_faster(
+        "f", timing(1.0), timing(2.2), at_least=2
+    ).holds  # 2.2 / 1.05 >= 2
+    assert not check_faster(
+        "f", timing(1.0), timing(2.05), at_least=2
+    ).holds  # 2.05 / 1.05 < 2
     assert not check_faster("f", timing(1.0), timing(1.03)).holds
-    assert check_faster("f", timing(1.0), timing(2.0), at_least=1.5).claim == "f (at least 1.5x)"
+    assert (
+        check_faster("f", timing(1.0), timing(2.0), at_least=1.5).claim
+        == "f (at least 1.5x)"
+    )
     with pytest.raises(ValueError):
         check_faster("f", timing(1.0), timing(2.0), at_least=0.5)
 
@@ -115,12 +126,18 @@ def test_check_not_faster_accepts_equal_and_slower():
 
 def test_check_speed_ups_at_most_allows_the_noise_and_names_the_closest():
     reference = timing(3.0)
-    within = check_speed_ups_at_most("s", [timing(2.0), timing(3.3)], reference, at_most=1.5)
+    within = check_speed_ups_at_most(
+        "s", [timing(2.0), timing(3.3)], reference, at_most=1.5
+    )
     assert within.holds and within.claim == "s (at most 1.5x, within the noise)"
     assert within.evidence == "largest 1.50×, noise ±5%"
     # 3.2 / 2.0 = 1.6 is above 1.5 but within 1.5 x 1.1, with 5 % spread on each side.
-    assert check_speed_ups_at_most("s", [timing(2.0, 0.1)], timing(3.2, 0.16), at_most=1.5).holds
-    assert not check_speed_ups_at_most("s", [timing(3.0), timing(1.0)], reference, at_most=2).holds
+    assert check_speed_ups_at_most(
+        "s", [timing(2.0, 0.1)], timing(3.2, 0.16), at_most=1.5
+    ).holds
+    assert not check_speed_ups_at_most(
+        "s", [timing(3.0), timing(1.0)], reference, at_most=2
+    ).holds
     with pytest.raises(ValueError, match="at_most"):
         check_speed_ups_at_most("s", [timing(1.0)], reference, at_most=0.5)
     with pytest.raises(ValueError, match="No candidate"):
@@ -140,6 +157,11 @@ def test_timing_from_samples_median_and_iqr():
 def test_format_table_names_the_threads_the_timings_used():
     from companion.timing import format_table
 
-    rows = [{"what": "a", "time": timing(1e-3)}, {"what": "b", "time": Timing("t", 1e-3, 0, 7, "hw", 2)}]
+    rows = [
+        {"what": "a", "time": timing(1e-3)},
+        {"what": "b", "time": Timing("t", 1e-3, 0, 7, "hw", 2)},
+    ]
     assert format_table(rows).splitlines()[-1].endswith(", 1 and 2 threads")
-    assert format_table([{"what": "a", "time": "1 ms"}], threads=1).endswith(", 1 thread")
+    assert format_table([{"what": "a", "time": "1 ms"}], threads=1).endswith(
+        ", 1 thread"
+    )

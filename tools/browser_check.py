@@ -41,7 +41,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DESKTOP, PHONE = (1400, 900), (390, 844)
 INSTALL_HINT = (
     "the browser check did not run: Chromium and chromedriver are not installed "
-    "(Debian: sudo apt-get install chromium chromium-driver); then run `make test-browser`"
+    "(Debian: sudo apt-get install chromium chromium-driver); then run `make "
+    "test-browser`"
 )
 
 # Runs in the page; returns [[rule, detail], ...].
@@ -88,7 +89,11 @@ else done(document.querySelectorAll('.math').length === 0);
 
 def chromium_paths() -> tuple[str, str] | None:
     """The Chromium binary and its driver, or None when either is missing."""
-    browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    browser = (
+        shutil.which("chromium")
+        or shutil.which("chromium-browser")
+        or shutil.which("google-chrome")
+    )
     driver = shutil.which("chromedriver")
     return (browser, driver) if browser and driver else None
 
@@ -101,15 +106,27 @@ def open_browser(paths: tuple[str, str], size: tuple[int, int] = DESKTOP) -> Ite
 
     options = webdriver.ChromeOptions()
     options.binary_location = paths[0]
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                f"--window-size={size[0]},{size[1]}"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        f"--window-size={size[0]},{size[1]}",
+    ):
         options.add_argument(arg)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(service=Service(paths[1]), options=options)
     try:
         driver.execute_cdp_cmd("Network.enable", {})
-        driver.execute_cdp_cmd("Network.emulateNetworkConditions",
-                               {"offline": True, "latency": 0, "downloadThroughput": -1, "uploadThroughput": -1})
+        driver.execute_cdp_cmd(
+            "Network.emulateNetworkConditions",
+            {
+                "offline": True,
+                "latency": 0,
+                "downloadThroughput": -1,
+                "uploadThroughput": -1,
+            },
+        )
         driver.set_script_timeout(30)
         yield driver
     finally:
@@ -119,11 +136,15 @@ def open_browser(paths: tuple[str, str], size: tuple[int, int] = DESKTOP) -> Ite
 def ids_in(page: Path, cache: dict[Path, set[str]]) -> set[str]:
     """The element ids of a built page (the anchors a link may point to)."""
     if page not in cache:
-        cache[page] = set(re.findall(r'\sid="([^"]+)"', page.read_text(errors="replace")))
+        cache[page] = set(
+            re.findall(r'\sid="([^"]+)"', page.read_text(errors="replace"))
+        )
     return cache[page]
 
 
-def broken_links(links: list[str], build: Path, cache: dict[Path, set[str]]) -> list[tuple[str, str]]:
+def broken_links(
+    links: list[str], build: Path, cache: dict[Path, set[str]]
+) -> list[tuple[str, str]]:
     """Links into the book (file:// addresses) whose page or anchor does not exist."""
     problems = []
     for href in links:
@@ -148,7 +169,9 @@ def wrong_buttons(buttons: list[str], repository: str) -> list[tuple[str, str]]:
     return [("button to another address", href) for href in buttons if path not in href]
 
 
-def check_page(driver, page: Path, build: Path, repository: str, cache: dict) -> list[tuple[str, str]]:
+def check_page(
+    driver, page: Path, build: Path, repository: str, cache: dict
+) -> list[tuple[str, str]]:
     """Open one page and return its problems as (rule, detail) pairs."""
     driver.get_log("browser")  # forget the previous page's messages
     driver.get(page.resolve().as_uri())
@@ -159,8 +182,11 @@ def check_page(driver, page: Path, build: Path, repository: str, cache: dict) ->
         problems.append(("math not rendered", "MathJax did not start"))
     problems += broken_links(links, build, cache)
     problems += wrong_buttons(buttons, repository)
-    problems += [("console error", entry["message"]) for entry in driver.get_log("browser")
-                 if entry["level"] == "SEVERE"]
+    problems += [
+        ("console error", entry["message"])
+        for entry in driver.get_log("browser")
+        if entry["level"] == "SEVERE"
+    ]
     return problems
 
 
@@ -181,21 +207,37 @@ def save_screenshots(paths: tuple[str, str], pages: list[Path], folder: Path) ->
                 driver.save_screenshot(str(folder / f"{page.stem}-{name}.png"))
 
 
-def check_book(build: Path, repository: str, paths: tuple[str, str]) -> dict[str, list[tuple[str, str]]]:
+def check_book(
+    build: Path, repository: str, paths: tuple[str, str]
+) -> dict[str, list[tuple[str, str]]]:
     """Every page's problems, by the page's path inside ``build``."""
-    pages = sorted(p for p in build.rglob("*.html") if "_static" not in p.parts and "_sources" not in p.parts)
+    pages = sorted(
+        p
+        for p in build.rglob("*.html")
+        if "_static" not in p.parts and "_sources" not in p.parts
+    )
     cache: dict[Path, set[str]] = {}
     with open_browser(paths) as driver:
-        return {str(p.relative_to(build)): check_page(driver, p, build, repository, cache) for p in pages}
+        return {
+            str(p.relative_to(build)): check_page(driver, p, build, repository, cache)
+            for p in pages
+        }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("build", nargs="?", type=Path, default=ROOT / "_build" / "html")
-    parser.add_argument("--screenshots", type=Path, help="where to save screenshots (default: next to BUILD)")
+    parser.add_argument(
+        "--screenshots",
+        type=Path,
+        help="where to save screenshots (default: next to BUILD)",
+    )
     args = parser.parse_args(argv)
     if not (args.build / "index.html").is_file():
-        print(f"browser check: no built book in {args.build}; run `make book` first", file=sys.stderr)
+        print(
+            f"browser check: no built book in {args.build}; run `make book` first",
+            file=sys.stderr,
+        )
         return 2
     paths = chromium_paths()
     if paths is None:
@@ -211,7 +253,10 @@ def main(argv: list[str] | None = None) -> int:
         for rule, detail in problems:
             print(f"  {rule}: {detail}")
     total = sum(len(p) for p in bad.values())
-    print(f"browser check: {len(report)} pages, {total} problem(s); screenshots in {shots}")
+    print(
+        f"browser check: {len(report)} pages, {total} problem(s); screenshots in "
+        f"{shots}"
+    )
     return 1 if bad else 0
 
 

@@ -91,14 +91,18 @@ def check_quiet(max_busy: float, max_spread: float) -> None:
     busy = other_processes_load()
     if busy > max_busy:
         raise RefusedError(
-            f"other processes use {busy:.2f} cores' worth of CPU (at most {max_busy} allowed): "
+            f"other processes use {busy:.2f} cores' worth of CPU (at most {max_busy} "
+            "allowed): "
             "stop them (tests, builds, other notebooks) and run again, or pass --force."
         )
-    spread = min(calibration_spread() for _ in range(3))  # a single hiccup is not a busy machine
+    spread = min(
+        calibration_spread() for _ in range(3)
+    )  # a single hiccup is not a busy machine
     if spread > max_spread:
         raise RefusedError(
             f"a calibration benchmark varies by {spread:.0%} between repeats (at most "
-            f"{max_spread:.0%} allowed): the machine is not quiet; run again later, or pass --force."
+            f"{max_spread:.0%} allowed): the machine is not quiet; run again later, or "
+            "pass --force."
         )
 
 
@@ -107,8 +111,14 @@ def failed_verdicts(nb: nbformat.NotebookNode) -> list[str]:
     failed = []
     for index, cell in enumerate(nb.cells):
         for output in cell.get("outputs", []):
-            text = output.get("text", "") or output.get("data", {}).get("text/plain", "")
-            failed += [f"cell {index}: {line}" for line in text.splitlines() if line.startswith("✗")]
+            text = output.get("text", "") or output.get("data", {}).get(
+                "text/plain", ""
+            )
+            failed += [
+                f"cell {index}: {line}"
+                for line in text.splitlines()
+                if line.startswith("✗")
+            ]
     return failed
 
 
@@ -125,11 +135,16 @@ def cpu_model() -> str:
 
 def verified_line(seconds: float) -> str:
     """The chapter's "verified on" sentence for a run that took ``seconds``."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = (
+        len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else os.cpu_count()
+    )
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     accel = f"{gpus} GPU(s)" if gpus else "no GPU"
     return (
-        f"*Verified on: {cpu_model()}, {cores} cores, {torch.get_num_threads()} threads, "
+        f"*Verified on: {cpu_model()}, {cores} cores, {torch.get_num_threads()} "
+        "threads, "
         f"{accel}, torch {torch.__version__.split('+')[0]}, "
         f"{datetime.date.today().isoformat()}; this notebook ran in {seconds:.0f} s.*"
     )
@@ -142,7 +157,9 @@ def write_verified_line(nb: nbformat.NotebookNode, text: str) -> None:
             cell.source = text
             return
     cell = nbformat.v4.new_markdown_cell(text, metadata={"tags": [VERIFIED_TAG]})
-    first_markdown = next(i for i, c in enumerate(nb.cells) if c.cell_type == "markdown")
+    first_markdown = next(
+        i for i, c in enumerate(nb.cells) if c.cell_type == "markdown"
+    )
     nb.cells.insert(first_markdown + 1, cell)
 
 
@@ -157,7 +174,10 @@ def execute(path: Path) -> float:
     """Execute the notebook at ``path``; store it if every verdict holds. Return the seconds."""
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(
-        nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+        nb,
+        timeout=900,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(path.parent)}},
     )
     start = time.perf_counter()
     client.execute()
@@ -175,13 +195,25 @@ def execute(path: Path) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("notebooks", nargs="+", type=Path)
-    parser.add_argument("--force", action="store_true", help="skip the quiet-machine check")
-    parser.add_argument("--max-busy", type=float, default=0.15,
-                        help="cores' worth of CPU other processes may use (default: 0.15)")
-    parser.add_argument("--max-spread", type=float, default=0.10,
-                        help="relative IQR of the calibration benchmark allowed (default: 0.10)")
+    parser.add_argument(
+        "--force", action="store_true", help="skip the quiet-machine check"
+    )
+    parser.add_argument(
+        "--max-busy",
+        type=float,
+        default=0.15,
+        help="cores' worth of CPU other processes may use (default: 0.15)",
+    )
+    parser.add_argument(
+        "--max-spread",
+        type=float,
+        default=0.10,
+        help="relative IQR of the calibration benchmark allowed (default: 0.10)",
+    )
     args = parser.parse_args(argv)
     status = 0
     for path in args.notebooks:

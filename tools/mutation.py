@@ -15,7 +15,16 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-CAUGHT = {1, 3, 36, 37, -24, 24, 152, 255}  # tests failed, pytest error, timeouts, type check
+CAUGHT = {
+    1,
+    3,
+    36,
+    37,
+    -24,
+    24,
+    152,
+    255,
+}  # tests failed, pytest error, timeouts, type check
 SURVIVED = {0}
 NOT_COVERED = {5, 33}
 NOT_RUN = {None}
@@ -56,9 +65,18 @@ def main() -> None:
         counts = counts if counts is not None else total
         if module != "total":
             total.update(counts)
-        judged = counts["caught"] + counts["survived"] + counts["not covered"] + counts["other"]
+        judged = (
+            counts["caught"]
+            + counts["survived"]
+            + counts["not covered"]
+            + counts["other"]
+        )
         score = f"{100 * counts['caught'] / judged:.0f} %" if judged else "-"
-        print(f"{module:<24}" + "".join(f"{counts[c]:>13}" for c in columns) + f"{score:>8}")
+        print(
+            f"{module:<24}"
+            + "".join(f"{counts[c]:>13}" for c in columns)
+            + f"{score:>8}"
+        )
 
 
 if __name__ == "__main__":

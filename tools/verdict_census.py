@@ -25,7 +25,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTION = re.compile(r"^\[([\w-]+)\]\n(?:#.*\n)*regex: (.*)\nreplace: (.*)$", re.MULTILINE)
+SECTION = re.compile(
+    r"^\[([\w-]+)\]\n(?:#.*\n)*regex: (.*)\nreplace: (.*)$", re.MULTILINE
+)
 PLACEHOLDER = re.compile(r"<[a-z]+>|\[measured …\]|~<approx>")
 
 
@@ -67,7 +69,9 @@ def kind(cell: dict, subs: list[tuple[re.Pattern[str], str]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--list", action="store_true", help="list the masked cells")
     args = parser.parse_args(argv)
     subs = patterns()
@@ -75,16 +79,29 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'chapter':32} {'code':>5} " + " ".join(f"{k:>9}" for k in kinds))
     flagged = []
     for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
-        cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+        cells = [
+            c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"
+        ]
         counts = dict.fromkeys(kinds, 0)
         for index, cell in enumerate(cells):
             k = kind(cell, subs)
             counts[k] += 1
             if k == "masked":
-                flagged.append(f"{path.name} code cell {index}: {''.join(cell['source'])[:70]!r}")
-        print(f"{path.stem:32} {len(cells):5d} " + " ".join(f"{counts[k]:9d}" for k in kinds))
+                flagged.append(
+                    f"{path.name} code cell {index}: {''.join(cell['source'])[:70]!r}"
+                )
+        print(
+            f"{path.stem:32} {len(cells):5d} "
+            + " ".join(f"{counts[k]:9d}" for k in kinds)
+        )
     if args.list:
-        print("\n".join(["", "Cells whose every number is masked, with no verdict:", *flagged] if flagged else ["", "No masked cells."]))
+        print(
+            "\n".join(
+                ["", "Cells whose every number is masked, with no verdict:", *flagged]
+                if flagged
+                else ["", "No masked cells."]
+            )
+        )
     return 0
 
 

@@ -73,8 +73,11 @@ def fail(message: str, code: int = 2, printer: bool | None = None) -> None:
 
 
 if tuple(int(n) for n in re.findall(r"\d+", torch.__version__)[:2]) < MIN_TORCH:
-    fail(f"this script needs PyTorch {'.'.join(map(str, MIN_TORCH))} or newer, not {torch.__version__}; "
-         "upgrade it with pip install --upgrade torch.")
+    fail(
+        f"this script needs PyTorch {'.'.join(map(str, MIN_TORCH))} or newer, not "
+        f"{torch.__version__}; "
+        "upgrade it with pip install --upgrade torch."
+    )
 
 import torch.distributed as dist  # noqa: E402 (after the version check, which names what is missing)
 import torch.nn.functional as F  # noqa: E402
@@ -121,14 +124,29 @@ def read_topology() -> tuple[int, int, int]:
     if "SLURM_PROCID" in env:
         if "MASTER_ADDR" not in env:
             nodes = int(env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", "1")))
-            host = "127.0.0.1" if nodes == 1 else first_host(env.get("SLURM_STEP_NODELIST",
-                                                                     env.get("SLURM_JOB_NODELIST", "")))
+            host = (
+                "127.0.0.1"
+                if nodes == 1
+                else first_host(
+                    env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", ""))
+                )
+            )
             if not host:
-                raise UsageError("under SLURM on several nodes the processes meet on the first node, but neither "
-                                 "MASTER_ADDR nor a node list (SLURM_JOB_NODELIST) names it; set MASTER_ADDR.")
+                raise UsageError(
+                    "under SLURM on several nodes the processes meet on the first "
+                    "node, but neither "
+                    "MASTER_ADDR nor a node list (SLURM_JOB_NODELIST) names it; set "
+                    "MASTER_ADDR."
+                )
             env["MASTER_ADDR"] = host
-        env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
-        return int(env["SLURM_PROCID"]), int(env["SLURM_LOCALID"]), int(env["SLURM_NTASKS"])
+        env.setdefault(
+            "MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
+        )
+        return (
+            int(env["SLURM_PROCID"]),
+            int(env["SLURM_LOCALID"]),
+            int(env["SLURM_NTASKS"]),
+        )
     env.setdefault("MASTER_ADDR", "127.0.0.1")
     env.setdefault("MASTER_PORT", str(free_port()))  # alone: any free port will do
     return 0, 0, 1
@@ -144,14 +162,21 @@ def describe_process(local_rank: int) -> dict:
     gpu = None
     if count:
         index = local_rank % count
-        gpu = {"index": index, "uuid": str(getattr(torch.cuda.get_device_properties(index), "uuid", index))}
+        gpu = {
+            "index": index,
+            "uuid": str(
+                getattr(torch.cuda.get_device_properties(index), "uuid", index)
+            ),
+        }
     return {"host": socket.gethostname(), "gpu": gpu}
 
 
 def gpu_problem(everyone: list[dict]) -> str:
     """Why the processes in ``everyone`` cannot each have a GPU of their own ("" if they can)."""
     without = [i for i, p in enumerate(everyone) if p["gpu"] is None]
-    shared = collections.Counter((p["host"], p["gpu"]["uuid"]) for p in everyone if p["gpu"])
+    shared = collections.Counter(
+        (p["host"], p["gpu"]["uuid"]) for p in everyone if p["gpu"]
+    )
     if len(without) == len(everyone):
         return "no process sees a GPU"
     if without:
@@ -167,25 +192,47 @@ def meet(rank: int, world_size: int, timeout: float) -> tuple[dist.Store, list[d
     """Reach the rendezvous at MASTER_ADDR:MASTER_PORT; return its store and every process's report."""
     where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     try:
-        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size,
-                                           timeout=datetime.timedelta(seconds=timeout)))  # fmt: skip
+        store, _, _ = next(
+            dist.rendezvous(
+                "env://",
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=timeout),
+            )
+        )
     except dist.DistError as err:
         if "EADDRINUSE" in str(err) or "already in use" in str(err):
-            raise RendezvousError(f"port {where} is already in use; set MASTER_PORT to a free port.") from None
+            raise RendezvousError(
+                f"port {where} is already in use; set MASTER_PORT to a free port."
+            ) from None
         if "waiting for clients" in str(err):
             joined = re.search(r"(\d+)/(\d+) clients", str(err))
-            count = f"only {joined[1]} of {joined[2]} processes" if joined else "not every process"
-            raise RendezvousError(f"{count} reached the rendezvous at {where} within {timeout:g} s; start all "
-                                  "of them, and check that every node can reach that address.") from None
-        raise RendezvousError(f"cannot reach the rendezvous at {where} within {timeout:g} s; check MASTER_ADDR "
-                              "and MASTER_PORT, and that rank 0 is running.") from None
+            count = (
+                f"only {joined[1]} of {joined[2]} processes"
+                if joined
+                else "not every process"
+            )
+            raise RendezvousError(
+                f"{count} reached the rendezvous at {where} within {timeout:g} s; "
+                "start all "
+                "of them, and check that every node can reach that address."
+            ) from None
+        raise RendezvousError(
+            f"cannot reach the rendezvous at {where} within {timeout:g} s; check "
+            "MASTER_ADDR "
+            "and MASTER_PORT, and that rank 0 is running."
+        ) from None
     # Every process reports its host and GPU; all read all reports, so all decide alike.
     key = f"{SCRIPT}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
     store.set(f"{key}{rank}", json.dumps(describe_process(env_rank(local=True))))
     everyone = [json.loads(store.get(f"{key}{r}")) for r in range(world_size)]
     store.add(f"{key}read", 1)
     deadline = time.monotonic() + timeout
-    while rank == 0 and store.add(f"{key}read", 0) < world_size and time.monotonic() < deadline:
+    while (
+        rank == 0
+        and store.add(f"{key}read", 0) < world_size
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.01)  # rank 0 may host the store: it stays until everyone has read
     return store, everyone
 
@@ -203,13 +250,25 @@ def setup_distributed(timeout: float = 600.0) -> tuple[int, int, int, torch.devi
     if problem:
         device, backend = torch.device("cpu"), "gloo"
         if any(p["gpu"] for p in everyone) and rank == 0:
-            print(f"{SCRIPT}: note: {problem}, so every process runs on the CPU with gloo.", flush=True)
+            print(
+                f"{SCRIPT}: note: {problem}, so every process runs on the CPU with "
+                "gloo.",
+                flush=True,
+            )
     else:
-        device, backend = torch.device("cuda", local_rank % torch.cuda.device_count()), "nccl"
+        device, backend = (
+            torch.device("cuda", local_rank % torch.cuda.device_count()),
+            "nccl",
+        )
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout),
-                            device_id=device if device.type == "cuda" else None)  # fmt: skip
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore("default_pg", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout),
+        device_id=device if device.type == "cuda" else None,
+    )
     return rank, local_rank, world_size, device
 
 
@@ -226,32 +285,93 @@ def run_main(main) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = ArgumentParser(prog=SCRIPT, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", default="", help="tensors saved with torch.save (default: synthetic images)")
-    parser.add_argument("--epochs", type=int, default=10, help="passes over the training set (default: 10)")
-    parser.add_argument("--global-batch-size", type=int, default=128,
-                        help="images per step over all processes, a multiple of the world size (default: 128)")
-    parser.add_argument("--lr", type=float, default=0.1, help="peak SGD learning rate, annealed to 0 (default: 0.1)")
-    parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default: 0.9)")
-    parser.add_argument("--width", type=int, default=64,
-                        help="channels of the first stage, doubled at each of the 3 others; "
-                             "64 is ResNet-18 (default: 64)")
-    parser.add_argument("--max-train", type=int, default=0, help="use the first N training images (default: 0 = all)")
-    parser.add_argument("--max-test", type=int, default=0, help="use the first N test images (default: 0 = all)")
-    parser.add_argument("--timing-steps", type=int, default=10,
-                        help="rounds of the timing phase after training (default: 10; 0 skips it)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the model and the shuffling (default: 0)")
-    parser.add_argument("--timeout", type=float, default=600.0,
-                        help="seconds the processes wait for each other, in each collective too "
-                             "(default: 600, PyTorch's own)")
-    parser.add_argument("--results", default="", help="JSON file that rank 0 writes at the end (default: none)")
+    parser = ArgumentParser(
+        prog=SCRIPT,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--data",
+        default="",
+        help="tensors saved with torch.save (default: synthetic images)",
+    )
+    parser.add_argument(
+        "--epochs",
+        type=int,
+        default=10,
+        help="passes over the training set (default: 10)",
+    )
+    parser.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=128,
+        help="images per step over all processes, a multiple of the world size (default: 128)",
+    )
+    parser.add_argument(
+        "--lr",
+        type=float,
+        default=0.1,
+        help="peak SGD learning rate, annealed to 0 (default: 0.1)",
+    )
+    parser.add_argument(
+        "--momentum", type=float, default=0.9, help="SGD momentum (default: 0.9)"
+    )
+    parser.add_argument(
+        "--width",
+        type=int,
+        default=64,
+        help="channels of the first stage, doubled at each of the 3 others; "
+        "64 is ResNet-18 (default: 64)",
+    )
+    parser.add_argument(
+        "--max-train",
+        type=int,
+        default=0,
+        help="use the first N training images (default: 0 = all)",
+    )
+    parser.add_argument(
+        "--max-test",
+        type=int,
+        default=0,
+        help="use the first N test images (default: 0 = all)",
+    )
+    parser.add_argument(
+        "--timing-steps",
+        type=int,
+        default=10,
+        help="rounds of the timing phase after training (default: 10; 0 skips it)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the model and the shuffling (default: 0)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds the processes wait for each other, in each collective too "
+        "(default: 600, PyTorch's own)",
+    )
+    parser.add_argument(
+        "--results",
+        default="",
+        help="JSON file that rank 0 writes at the end (default: none)",
+    )
     args = parser.parse_args(argv)
     for name in ("epochs", "global_batch_size", "width"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}.")
+            parser.error(
+                f"--{name.replace('_', '-')} must be at least 1, not "
+                f"{getattr(args, name)}."
+            )
     for name in ("max_train", "max_test", "timing_steps"):
         if getattr(args, name) < 0:
-            parser.error(f"--{name.replace('_', '-')} must not be negative, not {getattr(args, name)}.")
+            parser.error(
+                f"--{name.replace('_', '-')} must not be negative, not "
+                f"{getattr(args, name)}."
+            )
     if args.timeout <= 0:
         parser.error(f"--timeout must be positive, not {args.timeout}.")
     return args
@@ -277,7 +397,9 @@ class Residual(nn.Module):
 
     def __init__(self, in_channels: int, out_channels: int, stride: int = 1) -> None:
         super().__init__()
-        self.conv1 = nn.Conv2d(in_channels, out_channels, 3, stride=stride, padding=1, bias=False)
+        self.conv1 = nn.Conv2d(
+            in_channels, out_channels, 3, stride=stride, padding=1, bias=False
+        )
         self.bn1 = nn.BatchNorm2d(out_channels)
         self.conv2 = nn.Conv2d(out_channels, out_channels, 3, padding=1, bias=False)
         self.bn2 = nn.BatchNorm2d(out_channels)
@@ -286,7 +408,8 @@ class Residual(nn.Module):
         self.shortcut = nn.Identity()
         if stride != 1 or in_channels != out_channels:
             self.shortcut = nn.Sequential(
-                nn.Conv2d(in_channels, out_channels, 1, stride=stride, bias=False), nn.BatchNorm2d(out_channels)
+                nn.Conv2d(in_channels, out_channels, 1, stride=stride, bias=False),
+                nn.BatchNorm2d(out_channels),
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -295,7 +418,9 @@ class Residual(nn.Module):
         return F.relu(y + self.shortcut(x))
 
 
-def resnet18(num_classes: int = 10, in_channels: int = 1, width: int = 64) -> nn.Sequential:
+def resnet18(
+    num_classes: int = 10, in_channels: int = 1, width: int = 64
+) -> nn.Sequential:
     """Return ResNet-18 for small images such as 28x28 or 32x32.
 
     Unlike the ImageNet model, the stem is a 3x3 convolution with stride 1 and
@@ -305,35 +430,60 @@ def resnet18(num_classes: int = 10, in_channels: int = 1, width: int = 64) -> nn
     """
     widths = [width, 2 * width, 4 * width, 8 * width]
     layers: list[nn.Module] = [
-        nn.Conv2d(in_channels, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
-    ]  # fmt: skip
+        nn.Conv2d(in_channels, width, 3, padding=1, bias=False),
+        nn.BatchNorm2d(width),
+        nn.ReLU(),
+    ]
     for stage, channels in enumerate(widths):
-        stride = 1 if stage == 0 else 2  # halve the resolution at the start of stages 2 to 4
+        stride = (
+            1 if stage == 0 else 2
+        )  # halve the resolution at the start of stages 2 to 4
         previous = widths[max(stage - 1, 0)]
         layers += [Residual(previous, channels, stride), Residual(channels, channels)]
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(widths[-1], num_classes)]
+    layers += [
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(widths[-1], num_classes),
+    ]
     return nn.Sequential(*layers)
 
 
 # ---------------------------------------------------------------- data
 
 
-def load_data(path: str, max_train: int, max_test: int, seed: int) -> tuple[TensorDataset, TensorDataset, str]:
+def load_data(
+    path: str, max_train: int, max_test: int, seed: int
+) -> tuple[TensorDataset, TensorDataset, str]:
     """Return the training set, the test set and the data set's name."""
     if not path:
         train, test = make_synthetic_data(seed)
         name = "synthetic images (no --data given: the accuracy only shows that training runs)"
     else:
         blob = read_data_file(path)
-        missing = [k for k in DATA_KEYS if not isinstance(blob, dict) or not isinstance(blob.get(k), torch.Tensor)]
+        missing = [
+            k
+            for k in DATA_KEYS
+            if not isinstance(blob, dict) or not isinstance(blob.get(k), torch.Tensor)
+        ]
         if missing:
-            raise UsageError(f"{path} lacks the tensors {', '.join(missing)}; it needs a dict with "
-                             f"{', '.join(DATA_KEYS)} (see --help).")
+            raise UsageError(
+                f"{path} lacks the tensors {', '.join(missing)}; it needs a dict with "
+                f"{', '.join(DATA_KEYS)} (see --help)."
+            )
         for split in ("train", "test"):
             images, labels = blob[f"{split}_images"], blob[f"{split}_labels"]
-            if images.dim() != 4 or labels.dim() != 1 or len(images) != len(labels) or len(labels) == 0:
-                raise UsageError(f"{path}: {split}_images must be (N, C, H, W) and {split}_labels (N,) "
-                                 f"with the same N > 0, not {tuple(images.shape)} and {tuple(labels.shape)}.")
+            if (
+                images.dim() != 4
+                or labels.dim() != 1
+                or len(images) != len(labels)
+                or len(labels) == 0
+            ):
+                raise UsageError(
+                    f"{path}: {split}_images must be (N, C, H, W) and {split}_labels "
+                    "(N,) "
+                    f"with the same N > 0, not {tuple(images.shape)} and "
+                    f"{tuple(labels.shape)}."
+                )
         train = TensorDataset(blob["train_images"].float(), blob["train_labels"].long())
         test = TensorDataset(blob["test_images"].float(), blob["test_labels"].long())
         name = str(blob.get("name", Path(path).name))
@@ -349,37 +499,61 @@ def read_data_file(path: str) -> object:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        raise UsageError(f"there is no data file {path} on {socket.gethostname()}; save one with torch.save "
-                         "(see --help).") from None
+        raise UsageError(
+            f"there is no data file {path} on {socket.gethostname()}; save one with "
+            "torch.save "
+            "(see --help)."
+        ) from None
     except pickle.UnpicklingError as err:
         if "weights only" in str(err).lower():
-            raise UsageError(f"{path} holds Python objects that loading would have to run as code, so it was "
-                             "refused; save plain tensors in a dict (see --help).") from None
+            raise UsageError(
+                f"{path} holds Python objects that loading would have to run as code, "
+                "so it was "
+                "refused; save plain tensors in a dict (see --help)."
+            ) from None
     except (MemoryError, OSError, RuntimeError) as err:
-        if isinstance(err, (MemoryError, OSError)) or "memory" in str(err).lower():  # not the file's fault
+        if (
+            isinstance(err, (MemoryError, OSError)) or "memory" in str(err).lower()
+        ):  # not the file's fault
             detail = str(err).splitlines()[0] if str(err) else "no detail"
-            raise UsageError(f"cannot read {path} ({type(err).__name__}: {detail}); the file itself may be "
-                             "fine.") from None
+            raise UsageError(
+                f"cannot read {path} ({type(err).__name__}: {detail}); the file itself "
+                "may be "
+                "fine."
+            ) from None
     except Exception:  # noqa: S110 - a damaged file raises one of several types, depending on where it breaks
         pass
-    raise UsageError(f"{path} is truncated or not a file written with torch.save; save it again (see --help).")
+    raise UsageError(
+        f"{path} is truncated or not a file written with torch.save; save it again "
+        "(see --help)."
+    )
 
 
-def make_synthetic_data(seed: int, n_train: int = 1024, n_test: int = 256) -> tuple[TensorDataset, TensorDataset]:
+def make_synthetic_data(
+    seed: int, n_train: int = 1024, n_test: int = 256
+) -> tuple[TensorDataset, TensorDataset]:
     """Return random 1x28x28 images labelled by a random linear "teacher" (10 classes)."""
     gen = torch.Generator().manual_seed(seed)
     images = torch.rand(n_train + n_test, 1, 28, 28, generator=gen)
     teacher = torch.randn(28 * 28, 10, generator=gen)
     labels = (images.flatten(1) @ teacher).argmax(dim=1)
-    return (TensorDataset(images[:n_train], labels[:n_train]),
-            TensorDataset(images[n_train:], labels[n_train:]))  # fmt: skip
+    return (
+        TensorDataset(images[:n_train], labels[:n_train]),
+        TensorDataset(images[n_train:], labels[n_train:]),
+    )
 
 
 # ---------------------------------------------------------------- training
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, test: TensorDataset, rank: int, world_size: int, device: torch.device) -> float:
+def evaluate(
+    model: nn.Module,
+    test: TensorDataset,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+) -> float:
     """Return the test accuracy; each rank scores every world_size-th image."""
     # BatchNorm's running statistics differ slightly between ranks (each saw
     # its own shards): evaluate every rank with rank 0's.
@@ -397,12 +571,17 @@ def evaluate(model: nn.Module, test: TensorDataset, rank: int, world_size: int, 
     return (counts[0] / counts[1]).item()
 
 
-def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.device) -> dict:
+def train(
+    args: argparse.Namespace, rank: int, world_size: int, device: torch.device
+) -> dict:
     """Train, evaluate and time; return the results (the same on every rank)."""
     if args.global_batch_size % world_size:
-        raise UsageError(f"the global batch ({args.global_batch_size}) does not split evenly over "
-                         f"{world_size} processes; use a multiple of {world_size}.")
-    # Every rank reads the data; if one cannot (a file missing on one node), all stop together.
+        raise UsageError(
+            f"the global batch ({args.global_batch_size}) does not split evenly over "
+            f"{world_size} processes; use a multiple of {world_size}."
+        )
+    # Every rank reads the data; if one cannot (a file missing on one node), all
+    # stop together.
     error, loaded = "", None
     try:
         loaded = load_data(args.data, args.max_train, args.max_test, args.seed)
@@ -412,31 +591,56 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
     dist.all_gather_object(errors, error)
     if any(errors):
         first = next(r for r, e in enumerate(errors) if e)
-        raise UsageError(errors[first] if first == 0 else f"on rank {first}: {errors[first]}")
+        raise UsageError(
+            errors[first] if first == 0 else f"on rank {first}: {errors[first]}"
+        )
     train_set, test_set, data_name = loaded
     micro_batch_size = args.global_batch_size // world_size
     if len(train_set) < args.global_batch_size:
-        raise UsageError(f"{len(train_set)} training images are fewer than one global batch "
-                         f"({args.global_batch_size}); lower --global-batch-size.")
-    print0(rank, f"Data: {data_name}, {len(train_set):,} training and {len(test_set):,} test images.")
+        raise UsageError(
+            f"{len(train_set)} training images are fewer than one global batch "
+            f"({args.global_batch_size}); lower --global-batch-size."
+        )
+    print0(
+        rank,
+        f"Data: {data_name}, {len(train_set):,} training and {len(test_set):,} test "
+        "images.",
+    )
 
-    torch.manual_seed(args.seed)  # the same initial model everywhere (DDP also broadcasts rank 0's)
+    torch.manual_seed(
+        args.seed
+    )  # the same initial model everywhere (DDP also broadcasts rank 0's)
     num_classes = int(max(train_set.tensors[1].max(), test_set.tensors[1].max())) + 1
-    model = resnet18(num_classes, in_channels=train_set.tensors[0].shape[1], width=args.width).to(device)
+    model = resnet18(
+        num_classes, in_channels=train_set.tensors[0].shape[1], width=args.width
+    ).to(device)
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=args.lr, momentum=args.momentum)
+    optimizer = torch.optim.SGD(
+        ddp_model.parameters(), lr=args.lr, momentum=args.momentum
+    )
     # Each rank draws its own shard of every global batch; drop_last keeps
     # the number of steps equal on all ranks.
-    sampler = DistributedSampler(train_set, world_size, rank, shuffle=True, seed=args.seed, drop_last=True)
-    loader = DataLoader(train_set, batch_size=micro_batch_size, sampler=sampler, drop_last=True)
+    sampler = DistributedSampler(
+        train_set, world_size, rank, shuffle=True, seed=args.seed, drop_last=True
+    )
+    loader = DataLoader(
+        train_set, batch_size=micro_batch_size, sampler=sampler, drop_last=True
+    )
     # The learning rate falls from --lr to 0 along a cosine: the last steps
     # barely move the weights, so BatchNorm's running statistics, which
     # evaluation uses, catch up with them even in a short run.
-    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * len(loader))
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(
+        optimizer, T_max=args.epochs * len(loader)
+    )
     n_params = sum(p.numel() for p in model.parameters())
-    print0(rank, f"ResNet-18 (width {args.width}): {n_params:,} parameters; {world_size} process(es) x "
-                 f"{torch.get_num_threads()} thread(s), backend {dist.get_backend()}, global batch "
-                 f"{args.global_batch_size} = {world_size} x {micro_batch_size}.")
+    print0(
+        rank,
+        f"ResNet-18 (width {args.width}): {n_params:,} parameters; {world_size} "
+        "process(es) x "
+        f"{torch.get_num_threads()} thread(s), backend {dist.get_backend()}, global "
+        "batch "
+        f"{args.global_batch_size} = {world_size} x {micro_batch_size}.",
+    )
 
     losses, accuracies, train_time, images_seen = [], [], 0.0, 0
     for epoch in range(args.epochs):
@@ -461,9 +665,13 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
         dist.all_reduce(step_losses)
         losses += (step_losses / world_size).tolist()
         accuracies.append(evaluate(model, test_set, rank, world_size, device))
-        print0(rank, f"epoch {epoch + 1}/{args.epochs}: loss {step_losses.mean().item() / world_size:.3f}, "
-                     f"test accuracy {accuracies[-1]:.1%}, {elapsed:.2f} s, "
-                     f"{len(epoch_losses) * args.global_batch_size / elapsed:.0f} images/s")
+        print0(
+            rank,
+            f"epoch {epoch + 1}/{args.epochs}: loss "
+            f"{step_losses.mean().item() / world_size:.3f}, "
+            f"test accuracy {accuracies[-1]:.1%}, {elapsed:.2f} s, "
+            f"{len(epoch_losses) * args.global_batch_size / elapsed:.0f} images/s",
+        )
 
     results = {
         "world_size": world_size,
@@ -484,12 +692,19 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
         "throughput": images_seen / train_time,  # images/s over all epochs
     }
     if args.timing_steps:
-        results["timing"] = time_parts(ddp_model, optimizer, loader, args.timing_steps, device)
+        results["timing"] = time_parts(
+            ddp_model, optimizer, loader, args.timing_steps, device
+        )
     return results
 
 
-def time_parts(ddp_model: DDP, optimizer: torch.optim.Optimizer, loader: DataLoader, rounds: int,
-               device: torch.device) -> dict:
+def time_parts(
+    ddp_model: DDP,
+    optimizer: torch.optim.Optimizer,
+    loader: DataLoader,
+    rounds: int,
+    device: torch.device,
+) -> dict:
     """Time computation alone, communication alone and full steps, interleaved.
 
     Each round times one of each, so a machine that slows down slows all three
@@ -525,7 +740,9 @@ def time_parts(ddp_model: DDP, optimizer: torch.optim.Optimizer, loader: DataLoa
         timed("compute", lambda: compute_only(X, y))
         timed("allreduce", lambda: dist.all_reduce(buffer))
         timed("step", lambda: full_step(X, y))
-    medians = torch.tensor([statistics.median(v[1:]) for v in times.values()], dtype=torch.float64)
+    medians = torch.tensor(
+        [statistics.median(v[1:]) for v in times.values()], dtype=torch.float64
+    )
     dist.all_reduce(medians, op=dist.ReduceOp.MAX)
     compute, allreduce, step = medians.tolist()
     micro_batch_size = len(batches[0][1])

@@ -45,7 +45,10 @@ from pathlib import Path
 import torch
 
 SCRIPT = Path(__file__).name
-MIN_TORCH = (2, 4)  # init_process_group(device_id=...), torch.load(weights_only=True) of plain tensors
+MIN_TORCH = (
+    2,
+    4,
+)  # init_process_group(device_id=...), torch.load(weights_only=True) of plain tensors
 
 
 class UsageError(Exception):
@@ -70,8 +73,11 @@ def fail(message: str, code: int = 2, printer: bool | None = None) -> None:
 
 
 if tuple(int(n) for n in re.findall(r"\d+", torch.__version__)[:2]) < MIN_TORCH:
-    fail(f"this script needs PyTorch {'.'.join(map(str, MIN_TORCH))} or newer, not {torch.__version__}; "
-         "upgrade it with pip install --upgrade torch.")
+    fail(
+        f"this script needs PyTorch {'.'.join(map(str, MIN_TORCH))} or newer, not "
+        f"{torch.__version__}; "
+        "upgrade it with pip install --upgrade torch."
+    )
 
 import torch.distributed as dist  # noqa: E402 (after the version check, which names what is missing)
 import torch.multiprocessing as mp  # noqa: E402
@@ -92,42 +98,113 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = ArgumentParser(prog=SCRIPT, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=200, help="optimizer steps in all (default: 200)")
-    parser.add_argument("--epochs", type=float, default=None,
-                        help="train for this many passes over the data instead of --steps (default: unset)")
-    parser.add_argument("--global-batch-size", type=int, default=None,
-                        help="samples per step over all processes, a multiple of the world size "
-                             "(default: 64 rounded up to a multiple of the world size)")
-    parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default: 0.05)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the data, the model and the shuffling (default: 0)")
-    parser.add_argument("--samples", type=int, default=2048,
-                        help="training samples, rounded up to a multiple of the global batch (default: 2048)")
-    parser.add_argument("--dtype", choices=["float32", "float64"], default="float32",
-                        help="parameter and data type (default: float32)")
-    parser.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
-                        help="collective backend; auto = nccl if every process has a GPU of its own, "
-                             "else gloo on the CPUs (default: auto)")
-    parser.add_argument("--checkpoint-dir", default="",
-                        help="folder for checkpoints, on a file system every node sees; a run resumes from the "
-                             "newest one there (default: none)")
-    parser.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints (default: 50)")
-    parser.add_argument("--keep-checkpoints", type=int, default=2, help="newest checkpoints to keep (default: 2)")
-    parser.add_argument("--log-every", type=int, default=50,
-                        help="steps between log lines on rank 0; the losses are gathered then (default: 50)")
-    parser.add_argument("--timeout", type=float, default=600.0,
-                        help="seconds the processes wait for each other to meet and in each collective "
-                             "(default: 600, PyTorch's own)")
-    parser.add_argument("--spawn", type=int, default=0,
-                        help="start this many local processes with mp.spawn, without a launcher (default: 0 = no)")
-    parser.add_argument("--results", default="", help="JSON file that rank 0 writes at the end (default: none)")
+    parser = ArgumentParser(
+        prog=SCRIPT,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--steps", type=int, default=200, help="optimizer steps in all (default: 200)"
+    )
+    parser.add_argument(
+        "--epochs",
+        type=float,
+        default=None,
+        help="train for this many passes over the data instead of --steps (default: unset)",
+    )
+    parser.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="samples per step over all processes, a multiple of the world size "
+        "(default: 64 rounded up to a multiple of the world size)",
+    )
+    parser.add_argument(
+        "--lr", type=float, default=0.05, help="SGD learning rate (default: 0.05)"
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the data, the model and the shuffling (default: 0)",
+    )
+    parser.add_argument(
+        "--samples",
+        type=int,
+        default=2048,
+        help="training samples, rounded up to a multiple of the global batch (default: 2048)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "float64"],
+        default="float32",
+        help="parameter and data type (default: float32)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=["auto", "nccl", "gloo"],
+        default="auto",
+        help="collective backend; auto = nccl if every process has a GPU of its own, "
+        "else gloo on the CPUs (default: auto)",
+    )
+    parser.add_argument(
+        "--checkpoint-dir",
+        default="",
+        help="folder for checkpoints, on a file system every node sees; a run resumes from the "
+        "newest one there (default: none)",
+    )
+    parser.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=50,
+        help="steps between checkpoints (default: 50)",
+    )
+    parser.add_argument(
+        "--keep-checkpoints",
+        type=int,
+        default=2,
+        help="newest checkpoints to keep (default: 2)",
+    )
+    parser.add_argument(
+        "--log-every",
+        type=int,
+        default=50,
+        help="steps between log lines on rank 0; the losses are gathered then (default: 50)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds the processes wait for each other to meet and in each collective "
+        "(default: 600, PyTorch's own)",
+    )
+    parser.add_argument(
+        "--spawn",
+        type=int,
+        default=0,
+        help="start this many local processes with mp.spawn, without a launcher (default: 0 = no)",
+    )
+    parser.add_argument(
+        "--results",
+        default="",
+        help="JSON file that rank 0 writes at the end (default: none)",
+    )
     # Testing only: the last rank kills itself once at this step (a marker file
     # in the checkpoint folder keeps the restarted run from doing it again).
     parser.add_argument("--fail-at-step", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    for name in ("steps", "samples", "checkpoint_every", "keep_checkpoints", "log_every"):
+    for name in (
+        "steps",
+        "samples",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "log_every",
+    ):
         if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}.")
+            parser.error(
+                f"--{name.replace('_', '-')} must be at least 1, not "
+                f"{getattr(args, name)}."
+            )
     if args.epochs is not None and args.epochs <= 0:
         parser.error(f"--epochs must be positive, not {args.epochs}.")
     if args.spawn < 0:
@@ -169,15 +246,30 @@ def read_topology() -> tuple[int, int, int]:
     if "SLURM_PROCID" in env:
         if "MASTER_ADDR" not in env:
             nodes = int(env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", "1")))
-            host = "127.0.0.1" if nodes == 1 else first_host(env.get("SLURM_STEP_NODELIST",
-                                                                     env.get("SLURM_JOB_NODELIST", "")))
+            host = (
+                "127.0.0.1"
+                if nodes == 1
+                else first_host(
+                    env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", ""))
+                )
+            )
             if not host:
-                raise UsageError("under SLURM on several nodes the processes meet on the first node, but neither "
-                                 "MASTER_ADDR nor a node list (SLURM_JOB_NODELIST) names it; set MASTER_ADDR "
-                                 "(ddp_train.sbatch shows how).")
+                raise UsageError(
+                    "under SLURM on several nodes the processes meet on the first "
+                    "node, but neither "
+                    "MASTER_ADDR nor a node list (SLURM_JOB_NODELIST) names it; set "
+                    "MASTER_ADDR "
+                    "(ddp_train.sbatch shows how)."
+                )
             env["MASTER_ADDR"] = host
-        env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
-        return int(env["SLURM_PROCID"]), int(env["SLURM_LOCALID"]), int(env["SLURM_NTASKS"])
+        env.setdefault(
+            "MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
+        )
+        return (
+            int(env["SLURM_PROCID"]),
+            int(env["SLURM_LOCALID"]),
+            int(env["SLURM_NTASKS"]),
+        )
     env.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in env:
         env["MASTER_PORT"] = str(free_port())
@@ -199,12 +291,21 @@ def describe_process(local_rank: int) -> dict:
     gpu = None
     if count:
         index = local_rank % count
-        gpu = {"index": index, "uuid": str(getattr(torch.cuda.get_device_properties(index), "uuid", index))}
+        gpu = {
+            "index": index,
+            "uuid": str(
+                getattr(torch.cuda.get_device_properties(index), "uuid", index)
+            ),
+        }
     return {"host": socket.gethostname(), "gpu": gpu}
 
 
-def pick_device(backend: str, local_rank: int, local_world_size: int,
-                everyone: list[dict] | None = None) -> tuple[str, torch.device]:  # fmt: skip
+def pick_device(
+    backend: str,
+    local_rank: int,
+    local_world_size: int,
+    everyone: list[dict] | None = None,
+) -> tuple[str, torch.device]:
     """Return the backend and this process's device; every process that sees ``everyone`` decides alike.
 
     nccl and a GPU of its own for each process when every process has one,
@@ -217,25 +318,37 @@ def pick_device(backend: str, local_rank: int, local_world_size: int,
         everyone = [describe_process(r) for r in range(local_world_size)]
     problem = ""
     without = [i for i, p in enumerate(everyone) if p["gpu"] is None]
-    shared = collections.Counter((p["host"], p["gpu"]["uuid"]) for p in everyone if p["gpu"])
+    shared = collections.Counter(
+        (p["host"], p["gpu"]["uuid"]) for p in everyone if p["gpu"]
+    )
     if len(without) == len(everyone) and len({p["host"] for p in everyone}) == 1:
         problem = "this node has no GPU"
     elif without:
-        problem = (f"{len(without)} of the {len(everyone)} processes see no GPU "
-                   f"(rank {without[0]} on {everyone[without[0]]['host']})")  # fmt: skip
+        problem = (
+            f"{len(without)} of the {len(everyone)} processes see no GPU "
+            f"(rank {without[0]} on {everyone[without[0]]['host']})"
+        )
     elif max(shared.values()) > 1:
         host = next(h for (h, _), n in shared.items() if n > 1)
         gpus = sum(1 for h, _ in shared if h == host)
         users = sum(n for (h, _), n in shared.items() if h == host)
-        problem = (f"{host} has {gpus} GPU(s) for {users} processes; start at most {gpus} per node, "
-                   "or give each its own with srun --gpus-per-task=1")  # fmt: skip
+        problem = (
+            f"{host} has {gpus} GPU(s) for {users} processes; start at most {gpus} per "
+            "node, "
+            "or give each its own with srun --gpus-per-task=1"
+        )
     elif not dist.is_nccl_available():
         problem = "this PyTorch was built without nccl"
     if backend == "nccl" and problem:
-        raise UsageError(f"the nccl backend needs one GPU per process, but {problem}; use --backend gloo.")
+        raise UsageError(
+            f"the nccl backend needs one GPU per process, but {problem}; use --backend "
+            "gloo."
+        )
     if backend == "gloo" or problem:
         return "gloo", torch.device("cpu")
-    device = torch.device("cuda", local_rank % torch.cuda.device_count())  # the GPU describe_process named
+    device = torch.device(
+        "cuda", local_rank % torch.cuda.device_count()
+    )  # the GPU describe_process named
     torch.cuda.set_device(device)
     return "nccl", device
 
@@ -244,25 +357,47 @@ def meet(rank: int, world_size: int, timeout: float) -> tuple[dist.Store, list[d
     """Reach the rendezvous at MASTER_ADDR:MASTER_PORT; return its store and every process's report."""
     where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     try:
-        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size,
-                                           timeout=datetime.timedelta(seconds=timeout)))  # fmt: skip
+        store, _, _ = next(
+            dist.rendezvous(
+                "env://",
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=timeout),
+            )
+        )
     except dist.DistError as err:
         if "EADDRINUSE" in str(err) or "already in use" in str(err):
-            raise RendezvousError(f"port {where} is already in use; set MASTER_PORT to a free port.") from None
+            raise RendezvousError(
+                f"port {where} is already in use; set MASTER_PORT to a free port."
+            ) from None
         if "waiting for clients" in str(err):
             joined = re.search(r"(\d+)/(\d+) clients", str(err))
-            count = f"only {joined[1]} of {joined[2]} processes" if joined else "not every process"
-            raise RendezvousError(f"{count} reached the rendezvous at {where} within {timeout:g} s; start all "
-                                  "of them, and check that every node can reach that address.") from None
-        raise RendezvousError(f"cannot reach the rendezvous at {where} within {timeout:g} s; check MASTER_ADDR "
-                              "and MASTER_PORT, and that rank 0 is running.") from None
+            count = (
+                f"only {joined[1]} of {joined[2]} processes"
+                if joined
+                else "not every process"
+            )
+            raise RendezvousError(
+                f"{count} reached the rendezvous at {where} within {timeout:g} s; "
+                "start all "
+                "of them, and check that every node can reach that address."
+            ) from None
+        raise RendezvousError(
+            f"cannot reach the rendezvous at {where} within {timeout:g} s; check "
+            "MASTER_ADDR "
+            "and MASTER_PORT, and that rank 0 is running."
+        ) from None
     # Every process reports its host and GPU; all read all reports, so all decide alike.
     key = f"ddp_train/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
     store.set(f"{key}{rank}", json.dumps(describe_process(env_rank(local=True))))
     everyone = [json.loads(store.get(f"{key}{r}")) for r in range(world_size)]
     store.add(f"{key}read", 1)
     deadline = time.monotonic() + timeout
-    while rank == 0 and store.add(f"{key}read", 0) < world_size and time.monotonic() < deadline:
+    while (
+        rank == 0
+        and store.add(f"{key}read", 0) < world_size
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.01)  # rank 0 may host the store: it stays until everyone has read
     return store, everyone
 
@@ -273,16 +408,31 @@ def setup_distributed(args: argparse.Namespace) -> tuple[int, int, int, torch.de
     store, everyone = meet(rank, world_size, args.timeout)
     backend, device = pick_device(args.backend, local_rank, 0, everyone)
     if args.backend == "auto" and backend == "gloo" and any(p["gpu"] for p in everyone):
-        print0(rank, "note: not every process has a GPU of its own, so all of them train on the CPU with gloo")
+        print0(
+            rank,
+            "note: not every process has a GPU of its own, so all of them train on the "
+            "CPU with gloo",
+        )
     local_world_size = sum(p["host"] == everyone[rank]["host"] for p in everyone)
     if device.type == "cpu" and local_world_size > 1:
         # The processes share the cores: more threads than their share (one each
         # on a small machine) would oversubscribe them. torchrun sets 1 already.
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        torch.set_num_threads(min(torch.get_num_threads(), max(1, cores // local_world_size)))
-    dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=args.timeout),
-                            device_id=device if device.type == "cuda" else None)  # fmt: skip
+        cores = (
+            len(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity")
+            else os.cpu_count() or 1
+        )
+        torch.set_num_threads(
+            min(torch.get_num_threads(), max(1, cores // local_world_size))
+        )
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore("default_pg", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=args.timeout),
+        device_id=device if device.type == "cuda" else None,
+    )
     return rank, local_rank, world_size, device
 
 
@@ -295,7 +445,9 @@ def print0(rank: int, *parts: object) -> None:
 # ---------------------------------------------------------------- data and model
 
 
-def plan_data(samples: int, global_batch_size: int | None, world_size: int) -> tuple[int, int, int]:
+def plan_data(
+    samples: int, global_batch_size: int | None, world_size: int
+) -> tuple[int, int, int]:
     """Return ``train_samples, test_samples, global_batch_size`` for ``world_size`` processes.
 
     The global batch is a multiple of the world size and the training set a
@@ -306,30 +458,43 @@ def plan_data(samples: int, global_batch_size: int | None, world_size: int) -> t
     if global_batch_size is None:
         global_batch_size = math.ceil(64 / world_size) * world_size
     if global_batch_size < world_size:
-        raise UsageError(f"the global batch ({global_batch_size}) is smaller than the number of processes "
-                         f"({world_size}); give each process at least one sample with --global-batch-size.")
+        raise UsageError(
+            f"the global batch ({global_batch_size}) is smaller than the number of "
+            "processes "
+            f"({world_size}); give each process at least one sample with "
+            "--global-batch-size."
+        )
     if global_batch_size % world_size:
-        raise UsageError(f"the global batch ({global_batch_size}) does not split evenly over {world_size} "
-                         f"processes; use a multiple of {world_size}.")
+        raise UsageError(
+            f"the global batch ({global_batch_size}) does not split evenly over "
+            f"{world_size} "
+            f"processes; use a multiple of {world_size}."
+        )
     train_samples = math.ceil(samples / global_batch_size) * global_batch_size
     return train_samples, max(train_samples // 4, world_size), global_batch_size
 
 
-def make_data(train_samples: int, test_samples: int, seed: int, dtype: torch.dtype) -> tuple[TensorDataset, TensorDataset]:
+def make_data(
+    train_samples: int, test_samples: int, seed: int, dtype: torch.dtype
+) -> tuple[TensorDataset, TensorDataset]:
     """Return training and test sets: noisy points around one of 4 random centres, labelled by centre."""
     gen = torch.Generator().manual_seed(seed)
     centres = 1.5 * torch.randn(CLASSES, FEATURES, generator=gen, dtype=dtype)
     n = train_samples + test_samples
     labels = torch.randint(0, CLASSES, (n,), generator=gen)
     points = centres[labels] + torch.randn(n, FEATURES, generator=gen, dtype=dtype)
-    return (TensorDataset(points[:train_samples], labels[:train_samples]),
-            TensorDataset(points[train_samples:], labels[train_samples:]))  # fmt: skip
+    return (
+        TensorDataset(points[:train_samples], labels[:train_samples]),
+        TensorDataset(points[train_samples:], labels[train_samples:]),
+    )
 
 
 def build_model(seed: int, dtype: torch.dtype) -> nn.Module:
     """Return the classifier, initialised from ``seed`` (the same on every rank)."""
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, CLASSES)).to(dtype)
+    return nn.Sequential(
+        nn.Linear(FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, CLASSES)
+    ).to(dtype)
 
 
 def param_checksum(model: nn.Module) -> tuple[str, float]:
@@ -352,7 +517,11 @@ RESUME_KEYS = ("global_batch_size", "lr", "seed", "samples", "dtype")
 
 def newest_checkpoint(folder: Path) -> Path | None:
     """Return the checkpoint with the highest step in ``folder``, if any."""
-    found = [(int(m.group(1)), p) for p in folder.glob("step-*.pt") if (m := CHECKPOINT_NAME.fullmatch(p.name))]
+    found = [
+        (int(m.group(1)), p)
+        for p in folder.glob("step-*.pt")
+        if (m := CHECKPOINT_NAME.fullmatch(p.name))
+    ]
     return max(found)[1] if found else None
 
 
@@ -361,9 +530,17 @@ def save_checkpoint(folder: Path, state: dict, keep: int) -> Path:
     path = folder / f"step-{state['step']:06d}.pt"
     tmp = path.with_name(path.name + ".tmp")
     torch.save(state, tmp)
-    os.replace(tmp, path)  # readers see the old file or the whole new one, never half of one
-    steps = sorted((int(m.group(1)), p) for p in folder.glob("step-*.pt") if (m := CHECKPOINT_NAME.fullmatch(p.name)))
-    for _, stale in steps[:-keep]:  # by step number: step-1000000.pt is newer than step-999999.pt
+    os.replace(
+        tmp, path
+    )  # readers see the old file or the whole new one, never half of one
+    steps = sorted(
+        (int(m.group(1)), p)
+        for p in folder.glob("step-*.pt")
+        if (m := CHECKPOINT_NAME.fullmatch(p.name))
+    )
+    for _, stale in steps[
+        :-keep
+    ]:  # by step number: step-1000000.pt is newer than step-999999.pt
         stale.unlink(missing_ok=True)
     return path
 
@@ -379,38 +556,59 @@ def read_checkpoint(path: Path, device: torch.device) -> object:
     try:
         return torch.load(path, map_location=device, weights_only=True)
     except FileNotFoundError:
-        raise UsageError(f"checkpoint {path}, which rank 0 chose, is missing on {host}; put --checkpoint-dir "
-                         "on a file system that every node sees.") from None
+        raise UsageError(
+            f"checkpoint {path}, which rank 0 chose, is missing on {host}; put "
+            "--checkpoint-dir "
+            "on a file system that every node sees."
+        ) from None
     except pickle.UnpicklingError as err:
         if "weights only" in str(err).lower():
-            raise UsageError(f"checkpoint {path} holds Python objects that loading would have to run as code, "
-                             "so it was refused; it is not one of this script's: move it out of "
-                             "--checkpoint-dir.") from None
+            raise UsageError(
+                f"checkpoint {path} holds Python objects that loading would have to "
+                "run as code, "
+                "so it was refused; it is not one of this script's: move it out of "
+                "--checkpoint-dir."
+            ) from None
     except (MemoryError, OSError, RuntimeError) as err:
-        if isinstance(err, (MemoryError, OSError)) or "memory" in str(err).lower():  # not the file's fault
+        if (
+            isinstance(err, (MemoryError, OSError)) or "memory" in str(err).lower()
+        ):  # not the file's fault
             detail = str(err).splitlines()[0] if str(err) else "no detail"
-            raise UsageError(f"cannot read checkpoint {path} on {host} ({type(err).__name__}: {detail}); the "
-                             "file itself may be fine, so keep it and fix the cause.") from None
+            raise UsageError(
+                f"cannot read checkpoint {path} on {host} ({type(err).__name__}: "
+                f"{detail}); the "
+                "file itself may be fine, so keep it and fix the cause."
+            ) from None
     except Exception:  # noqa: S110 - a damaged file raises one of several types, depending on where it breaks
         pass
-    raise UsageError(f"checkpoint {path} is truncated or corrupt; delete it to resume from an older one.")
+    raise UsageError(
+        f"checkpoint {path} is truncated or corrupt; delete it to resume from an older "
+        "one."
+    )
 
 
 def load_checkpoint(path: Path, device: torch.device, config: dict) -> dict:
     """Load a checkpoint that rank 0 chose; every rank reads it to its own device."""
     state = read_checkpoint(path, device)
     if not isinstance(state, dict) or not CHECKPOINT_KEYS <= state.keys():
-        raise UsageError(f"checkpoint {path} is not one of this script's (it lacks "
-                         f"{', '.join(sorted(CHECKPOINT_KEYS - set(state) if isinstance(state, dict) else CHECKPOINT_KEYS))}); "
-                         "move it out of --checkpoint-dir.")
+        raise UsageError(
+            f"checkpoint {path} is not one of this script's (it lacks "
+            f"{', '.join(sorted(CHECKPOINT_KEYS - set(state) if isinstance(state, dict) else CHECKPOINT_KEYS))}); "
+            "move it out of --checkpoint-dir."
+        )
     for key in RESUME_KEYS:
         if state["config"].get(key) != config[key]:
-            raise UsageError(f"checkpoint {path} was written with {key}={state['config'].get(key)}, not "
-                             f"{config[key]}; use the same settings or another --checkpoint-dir.")
+            raise UsageError(
+                f"checkpoint {path} was written with {key}={state['config'].get(key)}, "
+                "not "
+                f"{config[key]}; use the same settings or another --checkpoint-dir."
+            )
     return state
 
 
-def agree_on_checkpoint(rank: int, folder: Path | None, device: torch.device, config: dict) -> dict | None:
+def agree_on_checkpoint(
+    rank: int, folder: Path | None, device: torch.device, config: dict
+) -> dict | None:
     """Rank 0 picks the newest checkpoint; every rank loads it, and all fail together if one cannot."""
     choice = [str(newest_checkpoint(folder) or "") if rank == 0 and folder else ""]
     dist.broadcast_object_list(choice, src=0)
@@ -424,7 +622,11 @@ def agree_on_checkpoint(rank: int, folder: Path | None, device: torch.device, co
     dist.all_gather_object(errors, error)
     failed = [(r, e) for r, e in enumerate(errors) if e]
     if failed:
-        raise UsageError(failed[0][1] if failed[0][0] == 0 else f"on rank {failed[0][0]}: {failed[0][1]}")
+        raise UsageError(
+            failed[0][1]
+            if failed[0][0] == 0
+            else f"on rank {failed[0][0]}: {failed[0][1]}"
+        )
     return state
 
 
@@ -432,10 +634,18 @@ def agree_on_checkpoint(rank: int, folder: Path | None, device: torch.device, co
 
 
 @torch.no_grad()
-def shard_accuracy(model: nn.Module, data: TensorDataset, rank: int, world_size: int, device: torch.device) -> float:
+def shard_accuracy(
+    model: nn.Module,
+    data: TensorDataset,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+) -> float:
     """Return the accuracy over all of ``data``: each rank counts its shard, then the counts are summed."""
     points, labels = (t[rank::world_size].to(device) for t in data.tensors)
-    counts = torch.tensor([(model(points).argmax(1) == labels).sum().item(), len(labels)], device=device)
+    counts = torch.tensor(
+        [(model(points).argmax(1) == labels).sum().item(), len(labels)], device=device
+    )
     dist.all_reduce(counts)
     return counts[0].item() / counts[1].item()
 
@@ -443,28 +653,57 @@ def shard_accuracy(model: nn.Module, data: TensorDataset, rank: int, world_size:
 def train(args: argparse.Namespace) -> None:
     rank, local_rank, world_size, device = setup_distributed(args)
     dtype = getattr(torch, args.dtype)
-    train_samples, test_samples, global_batch = plan_data(args.samples, args.global_batch_size, world_size)
+    train_samples, test_samples, global_batch = plan_data(
+        args.samples, args.global_batch_size, world_size
+    )
     micro_batch = global_batch // world_size
     steps_per_epoch = train_samples // global_batch
     total_steps = round(args.epochs * steps_per_epoch) if args.epochs else args.steps
-    config = {"global_batch_size": global_batch, "lr": args.lr, "seed": args.seed, "samples": args.samples,
-              "dtype": args.dtype, "steps": total_steps}  # fmt: skip
+    config = {
+        "global_batch_size": global_batch,
+        "lr": args.lr,
+        "seed": args.seed,
+        "samples": args.samples,
+        "dtype": args.dtype,
+        "steps": total_steps,
+    }
 
     # Who is where: every rank reports, rank 0 prints (lines tagged with rank 0 only).
-    me = {"rank": rank, "local_rank": local_rank, "node_rank": node_rank(), "host": socket.gethostname(),
-          "device": str(device), "threads": torch.get_num_threads(),
-          "train_shard": train_samples // world_size, "test_shard": len(range(rank, test_samples, world_size))}
+    me = {
+        "rank": rank,
+        "local_rank": local_rank,
+        "node_rank": node_rank(),
+        "host": socket.gethostname(),
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "train_shard": train_samples // world_size,
+        "test_shard": len(range(rank, test_samples, world_size)),
+    }
     ranks: list[dict] = [{}] * world_size
     dist.all_gather_object(ranks, me)
     hosts = len({r["host"] for r in ranks})
-    print0(rank, f"{world_size} process(es) on {hosts} host(s), backend {dist.get_backend()}, "
-                 f"device {device.type}, {me['threads']} thread(s) per process")
-    print0(rank, f"{train_samples} training samples ({me['train_shard']} per rank), {test_samples} test samples; "
-                 f"global batch {global_batch} = {world_size} x {micro_batch}; {args.dtype}")
+    print0(
+        rank,
+        f"{world_size} process(es) on {hosts} host(s), backend {dist.get_backend()}, "
+        f"device {device.type}, {me['threads']} thread(s) per process",
+    )
+    print0(
+        rank,
+        f"{train_samples} training samples ({me['train_shard']} per rank), "
+        f"{test_samples} test samples; "
+        f"global batch {global_batch} = {world_size} x {micro_batch}; {args.dtype}",
+    )
 
     train_set, test_set = make_data(train_samples, test_samples, args.seed, dtype)
-    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
-    loader = DataLoader(train_set, batch_size=micro_batch, sampler=sampler, pin_memory=device.type == "cuda")
+    sampler = DistributedSampler(
+        train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed
+    )
+    loader = DataLoader(
+        train_set,
+        batch_size=micro_batch,
+        sampler=sampler,
+        pin_memory=device.type == "cuda",
+    )
     model = build_model(args.seed, dtype).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
@@ -479,24 +718,39 @@ def train(args: argparse.Namespace) -> None:
         step, losses = state["step"], state["losses"]
         print0(rank, f"resuming from checkpoint step-{step:06d}.pt (step {step})")
     start_step = step
-    ddp = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)  # broadcasts rank 0's weights
+    ddp = DDP(
+        model, device_ids=[local_rank] if device.type == "cuda" else None
+    )  # broadcasts rank 0's weights
 
-    pending: list[torch.Tensor] = []  # this rank's losses since the last gathering, still on the device
+    pending: list[
+        torch.Tensor
+    ] = []  # this rank's losses since the last gathering, still on the device
 
     def gather_losses() -> None:
         """Turn the pending local losses into global-batch means: one all-reduce for many steps."""
         if pending:
             summed = torch.stack(pending)
             dist.all_reduce(summed)
-            losses.extend(x / world_size for x in summed.tolist())  # .tolist() waits for the device
+            losses.extend(
+                x / world_size for x in summed.tolist()
+            )  # .tolist() waits for the device
             pending.clear()
 
     def checkpoint() -> None:
         gather_losses()  # on every rank: it is a collective
         if rank == 0 and folder:
-            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                     "losses": losses, "config": config}  # the unwrapped model: loadable without DDP
-            print0(rank, f"saved checkpoint {save_checkpoint(folder, state, args.keep_checkpoints).name}")
+            state = {
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "step": step,
+                "losses": losses,
+                "config": config,
+            }  # the unwrapped model: loadable without DDP
+            print0(
+                rank,
+                "saved checkpoint "
+                f"{save_checkpoint(folder, state, args.keep_checkpoints).name}",
+            )
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -504,24 +758,37 @@ def train(args: argparse.Namespace) -> None:
     while step < total_steps:
         epoch, skip = divmod(step, steps_per_epoch)
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
-        for points, labels in itertools.islice(loader, skip, None):  # skip what a resumed run has done
-            points, labels = points.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        for points, labels in itertools.islice(
+            loader, skip, None
+        ):  # skip what a resumed run has done
+            points, labels = (
+                points.to(device, non_blocking=True),
+                labels.to(device, non_blocking=True),
+            )
             loss = F.cross_entropy(ddp(points), labels)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # DDP averages the gradients over all ranks here
             optimizer.step()
             step += 1
-            pending.append(loss.detach())  # no sync and no collective here: the log gathers them
+            pending.append(
+                loss.detach()
+            )  # no sync and no collective here: the log gathers them
             if step % args.log_every == 0 or step == total_steps:
                 gather_losses()
-                print0(rank, f"step {step:5d}/{total_steps}  epoch {epoch + 1}  loss {losses[-1]:.4f}")
+                print0(
+                    rank,
+                    f"step {step:5d}/{total_steps}  epoch {epoch + 1}  loss "
+                    f"{losses[-1]:.4f}",
+                )
             if step % args.checkpoint_every == 0:
                 checkpoint()
             if step == args.fail_at_step and rank == world_size - 1:
                 marker = folder / f"failed-at-step-{step}"  # type: ignore[operator]
                 if not marker.exists():
                     marker.touch()
-                    os.kill(os.getpid(), signal.SIGKILL)  # a crash: no clean-up, no goodbye
+                    os.kill(
+                        os.getpid(), signal.SIGKILL
+                    )  # a crash: no clean-up, no goodbye
             if step == total_steps:
                 break
     if device.type == "cuda":
@@ -536,15 +803,33 @@ def train(args: argparse.Namespace) -> None:
     checksum, param_sum = param_checksum(model)
     done = step - start_step
     rate = done * global_batch / seconds if done else 0.0
-    print0(rank, f"done: train accuracy {train_acc:.3f}, test accuracy {test_acc:.3f}; "
-                 f"{done} steps in {seconds:.3g} s ({rate:,.0f} samples/s)")
+    print0(
+        rank,
+        f"done: train accuracy {train_acc:.3f}, test accuracy {test_acc:.3f}; "
+        f"{done} steps in {seconds:.3g} s ({rate:,.0f} samples/s)",
+    )
     if rank == 0 and args.results:
-        results = {**config, "world_size": world_size, "backend": dist.get_backend(), "device": device.type,
-                   "hosts": hosts, "ranks": ranks, "micro_batch_size": micro_batch, "train_samples": train_samples,
-                   "test_samples": test_samples, "start_step": start_step, "epochs": step / steps_per_epoch,
-                   "losses": losses, "train_accuracy": train_acc, "test_accuracy": test_acc,
-                   "train_seconds": seconds, "samples_per_second": rate, "param_checksum": checksum,
-                   "param_sum": param_sum, "checkpoint": str(newest_checkpoint(folder)) if folder else None}
+        results = {
+            **config,
+            "world_size": world_size,
+            "backend": dist.get_backend(),
+            "device": device.type,
+            "hosts": hosts,
+            "ranks": ranks,
+            "micro_batch_size": micro_batch,
+            "train_samples": train_samples,
+            "test_samples": test_samples,
+            "start_step": start_step,
+            "epochs": step / steps_per_epoch,
+            "losses": losses,
+            "train_accuracy": train_acc,
+            "test_accuracy": test_acc,
+            "train_seconds": seconds,
+            "samples_per_second": rate,
+            "param_checksum": checksum,
+            "param_sum": param_sum,
+            "checkpoint": str(newest_checkpoint(folder)) if folder else None,
+        }
         tmp = Path(args.results + ".tmp")
         tmp.write_text(json.dumps(results, indent=1))
         os.replace(tmp, args.results)
@@ -568,8 +853,12 @@ def run(args: argparse.Namespace) -> None:
 
 def spawned_worker(local_rank: int, args: argparse.Namespace, nprocs: int) -> None:
     """Entry point of a process started by ``mp.spawn``: it plays torchrun's part for the environment."""
-    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nprocs),
-                      LOCAL_WORLD_SIZE=str(nprocs))  # fmt: skip
+    os.environ.update(
+        RANK=str(local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(nprocs),
+        LOCAL_WORLD_SIZE=str(nprocs),
+    )
     run(args)
 
 

@@ -62,11 +62,20 @@ def fail(message: str, code: int = 2, printer: bool | None = None) -> None:
 
 
 if tuple(int(n) for n in re.findall(r"\d+", torch.__version__)[:2]) < MIN_TORCH:
-    fail(f"this script needs PyTorch {'.'.join(map(str, MIN_TORCH))} or newer, not {torch.__version__}; "
-         "upgrade it with pip install --upgrade torch.")
+    fail(
+        f"this script needs PyTorch {'.'.join(map(str, MIN_TORCH))} or newer, not "
+        f"{torch.__version__}; "
+        "upgrade it with pip install --upgrade torch."
+    )
 
 import torch.distributed as dist  # noqa: E402 (after the version check, which names what is missing)
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor  # noqa: E402
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_tensor,
+)  # noqa: E402
 from torch.distributed.tensor import init_device_mesh  # noqa: E402
 from torch.distributed.tensor.debug import CommDebugMode  # noqa: E402
 
@@ -106,14 +115,29 @@ def read_topology() -> tuple[int, int, int]:
     if "SLURM_PROCID" in env:
         if "MASTER_ADDR" not in env:
             nodes = int(env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", "1")))
-            host = "127.0.0.1" if nodes == 1 else first_host(env.get("SLURM_STEP_NODELIST",
-                                                                     env.get("SLURM_JOB_NODELIST", "")))
+            host = (
+                "127.0.0.1"
+                if nodes == 1
+                else first_host(
+                    env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", ""))
+                )
+            )
             if not host:
-                raise UsageError("under SLURM on several nodes the processes meet on the first node, but neither "
-                                 "MASTER_ADDR nor a node list (SLURM_JOB_NODELIST) names it; set MASTER_ADDR.")
+                raise UsageError(
+                    "under SLURM on several nodes the processes meet on the first "
+                    "node, but neither "
+                    "MASTER_ADDR nor a node list (SLURM_JOB_NODELIST) names it; set "
+                    "MASTER_ADDR."
+                )
             env["MASTER_ADDR"] = host
-        env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
-        return int(env["SLURM_PROCID"]), int(env["SLURM_LOCALID"]), int(env["SLURM_NTASKS"])
+        env.setdefault(
+            "MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
+        )
+        return (
+            int(env["SLURM_PROCID"]),
+            int(env["SLURM_LOCALID"]),
+            int(env["SLURM_NTASKS"]),
+        )
     env.setdefault("MASTER_ADDR", "127.0.0.1")
     env.setdefault("MASTER_PORT", str(free_port()))  # alone: any free port will do
     return 0, 0, 1
@@ -129,14 +153,21 @@ def describe_process(local_rank: int) -> dict:
     gpu = None
     if count:
         index = local_rank % count
-        gpu = {"index": index, "uuid": str(getattr(torch.cuda.get_device_properties(index), "uuid", index))}
+        gpu = {
+            "index": index,
+            "uuid": str(
+                getattr(torch.cuda.get_device_properties(index), "uuid", index)
+            ),
+        }
     return {"host": socket.gethostname(), "gpu": gpu}
 
 
 def gpu_problem(everyone: list[dict]) -> str:
     """Why the processes in ``everyone`` cannot each have a GPU of their own ("" if they can)."""
     without = [i for i, p in enumerate(everyone) if p["gpu"] is None]
-    shared = collections.Counter((p["host"], p["gpu"]["uuid"]) for p in everyone if p["gpu"])
+    shared = collections.Counter(
+        (p["host"], p["gpu"]["uuid"]) for p in everyone if p["gpu"]
+    )
     if len(without) == len(everyone):
         return "no process sees a GPU"
     if without:
@@ -152,25 +183,47 @@ def meet(rank: int, world_size: int, timeout: float) -> tuple[dist.Store, list[d
     """Reach the rendezvous at MASTER_ADDR:MASTER_PORT; return its store and every process's report."""
     where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     try:
-        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size,
-                                           timeout=datetime.timedelta(seconds=timeout)))  # fmt: skip
+        store, _, _ = next(
+            dist.rendezvous(
+                "env://",
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=timeout),
+            )
+        )
     except dist.DistError as err:
         if "EADDRINUSE" in str(err) or "already in use" in str(err):
-            raise RendezvousError(f"port {where} is already in use; set MASTER_PORT to a free port.") from None
+            raise RendezvousError(
+                f"port {where} is already in use; set MASTER_PORT to a free port."
+            ) from None
         if "waiting for clients" in str(err):
             joined = re.search(r"(\d+)/(\d+) clients", str(err))
-            count = f"only {joined[1]} of {joined[2]} processes" if joined else "not every process"
-            raise RendezvousError(f"{count} reached the rendezvous at {where} within {timeout:g} s; start all "
-                                  "of them, and check that every node can reach that address.") from None
-        raise RendezvousError(f"cannot reach the rendezvous at {where} within {timeout:g} s; check MASTER_ADDR "
-                              "and MASTER_PORT, and that rank 0 is running.") from None
+            count = (
+                f"only {joined[1]} of {joined[2]} processes"
+                if joined
+                else "not every process"
+            )
+            raise RendezvousError(
+                f"{count} reached the rendezvous at {where} within {timeout:g} s; "
+                "start all "
+                "of them, and check that every node can reach that address."
+            ) from None
+        raise RendezvousError(
+            f"cannot reach the rendezvous at {where} within {timeout:g} s; check "
+            "MASTER_ADDR "
+            "and MASTER_PORT, and that rank 0 is running."
+        ) from None
     # Every process reports its host and GPU; all read all reports, so all decide alike.
     key = f"{SCRIPT}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
     store.set(f"{key}{rank}", json.dumps(describe_process(env_rank(local=True))))
     everyone = [json.loads(store.get(f"{key}{r}")) for r in range(world_size)]
     store.add(f"{key}read", 1)
     deadline = time.monotonic() + timeout
-    while rank == 0 and store.add(f"{key}read", 0) < world_size and time.monotonic() < deadline:
+    while (
+        rank == 0
+        and store.add(f"{key}read", 0) < world_size
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.01)  # rank 0 may host the store: it stays until everyone has read
     return store, everyone
 
@@ -188,13 +241,25 @@ def setup_distributed(timeout: float = 600.0) -> tuple[int, int, int, torch.devi
     if problem:
         device, backend = torch.device("cpu"), "gloo"
         if any(p["gpu"] for p in everyone) and rank == 0:
-            print(f"{SCRIPT}: note: {problem}, so every process runs on the CPU with gloo.", flush=True)
+            print(
+                f"{SCRIPT}: note: {problem}, so every process runs on the CPU with "
+                "gloo.",
+                flush=True,
+            )
     else:
-        device, backend = torch.device("cuda", local_rank % torch.cuda.device_count()), "nccl"
+        device, backend = (
+            torch.device("cuda", local_rank % torch.cuda.device_count()),
+            "nccl",
+        )
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout),
-                            device_id=device if device.type == "cuda" else None)  # fmt: skip
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore("default_pg", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout),
+        device_id=device if device.type == "cuda" else None,
+    )
     return rank, local_rank, world_size, device
 
 
@@ -240,7 +305,10 @@ def gather_locals(dtensor: DTensor) -> list[list[list[float]]]:
 def describe(label: str, dtensor: DTensor) -> dict:
     """Record (and print on rank 0) what each rank holds of ``dtensor``."""
     pieces = gather_locals(dtensor)
-    print0(f"{label}: placement {placement_name(dtensor)}, global shape {tuple(dtensor.shape)}")
+    print0(
+        f"{label}: placement {placement_name(dtensor)}, global shape "
+        f"{tuple(dtensor.shape)}"
+    )
     for rank, piece in enumerate(pieces):
         rows, cols = len(piece), len(piece[0]) if piece else 0
         values = " | ".join(" ".join(f"{v:g}" for v in row) for row in piece)
@@ -253,7 +321,9 @@ def describe(label: str, dtensor: DTensor) -> dict:
     }
 
 
-def redistribute(label: str, dtensor: DTensor, placements: list) -> tuple[DTensor, dict]:
+def redistribute(
+    label: str, dtensor: DTensor, placements: list
+) -> tuple[DTensor, dict]:
     """Redistribute ``dtensor`` and record which collectives that took."""
     with CommDebugMode() as comm:
         out = dtensor.redistribute(dtensor.device_mesh, placements)
@@ -266,12 +336,26 @@ def redistribute(label: str, dtensor: DTensor, placements: list) -> tuple[DTenso
 
 
 def main() -> None:
-    parser = ArgumentParser(prog=SCRIPT, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, default=4, help="rows of the example matrix (default: 4)")
-    parser.add_argument("--cols", type=int, default=8, help="columns of the example matrix (default: 8)")
-    parser.add_argument("--timeout", type=float, default=600.0,
-                        help="seconds the processes wait for each other (default: 600, PyTorch's own)")
-    parser.add_argument("--results", default="", help="JSON file rank 0 writes (default: none)")
+    parser = ArgumentParser(
+        prog=SCRIPT,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--rows", type=int, default=4, help="rows of the example matrix (default: 4)"
+    )
+    parser.add_argument(
+        "--cols", type=int, default=8, help="columns of the example matrix (default: 8)"
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds the processes wait for each other (default: 600, PyTorch's own)",
+    )
+    parser.add_argument(
+        "--results", default="", help="JSON file rank 0 writes (default: none)"
+    )
     args = parser.parse_args()
     if args.rows < 1 or args.cols < 1 or args.timeout <= 0:
         parser.error("--rows, --cols and --timeout must be positive.")
@@ -279,20 +363,33 @@ def main() -> None:
     rank, _, world_size, device = setup_distributed(args.timeout)
     # On a CPU, DTensor logs (with a timestamp) that gloo has no all-to-all and
     # it falls back to all-gather + chunk; we say so once, below, instead.
-    logging.getLogger("torch.distributed.tensor._collective_utils").setLevel(logging.ERROR)
+    logging.getLogger("torch.distributed.tensor._collective_utils").setLevel(
+        logging.ERROR
+    )
     # One mesh axis over every process; "axis" names a mesh dimension, "dim" a tensor's.
     mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("ranks",))
     print0(f"Mesh: {mesh}")
 
-    # Every rank builds the same full matrix; distribute_tensor keeps only this rank's part.
-    full = torch.arange(args.rows * args.cols, dtype=torch.float32, device=device).reshape(args.rows, args.cols)
-    layouts = [describe(p, distribute_tensor(full, mesh, [pl]))
-               for p, pl in (("Shard(0)", Shard(0)), ("Shard(1)", Shard(1)), ("Replicate()", Replicate()))]  # fmt: skip
+    # Every rank builds the same full matrix; distribute_tensor keeps only this
+    # rank's part.
+    full = torch.arange(
+        args.rows * args.cols, dtype=torch.float32, device=device
+    ).reshape(args.rows, args.cols)
+    layouts = [
+        describe(p, distribute_tensor(full, mesh, [pl]))
+        for p, pl in (
+            ("Shard(0)", Shard(0)),
+            ("Shard(1)", Shard(1)),
+            ("Replicate()", Replicate()),
+        )
+    ]
 
     # Partial arises from a product whose contracted dim is sharded: each rank
     # multiplies its columns of A by its rows of B and holds one term of the sum.
     a = distribute_tensor(full, mesh, [Shard(1)])
-    b = distribute_tensor(torch.ones(args.cols, args.rows, device=device), mesh, [Shard(0)])
+    b = distribute_tensor(
+        torch.ones(args.cols, args.rows, device=device), mesh, [Shard(0)]
+    )
     product = a @ b
     layouts.append(describe("Partial(): A @ B", product))
 
@@ -301,7 +398,10 @@ def main() -> None:
     steps.append(redistribute("Shard(0) -> Replicate()", row_sharded, [Replicate()])[1])
     steps.append(redistribute("Shard(0) -> Shard(1)", row_sharded, [Shard(1)])[1])
     if device.type == "cpu":
-        print0("  (gloo has no all-to-all, so on a CPU DTensor all-gathers and keeps its chunk)")
+        print0(
+            "  (gloo has no all-to-all, so on a CPU DTensor all-gathers and keeps its "
+            "chunk)"
+        )
     replicated = distribute_tensor(full, mesh, [Replicate()])
     steps.append(redistribute("Replicate() -> Shard(0)", replicated, [Shard(0)])[1])
     steps.append(redistribute("Partial() -> Replicate()", product, [Replicate()])[1])
@@ -312,10 +412,22 @@ def main() -> None:
     same = torch.equal(product.full_tensor(), expected)
     if rank == 0 and args.results:
         with open(args.results, "w") as f:
-            json.dump({"world_size": world_size, "full": full.tolist(), "layouts": layouts, "steps": steps}, f)
+            json.dump(
+                {
+                    "world_size": world_size,
+                    "full": full.tolist(),
+                    "layouts": layouts,
+                    "steps": steps,
+                },
+                f,
+            )
     dist.destroy_process_group()
     if not same:
-        fail("the product of the sharded matrices differs from the product of the full ones.", code=3)
+        fail(
+            "the product of the sharded matrices differs from the product of the full "
+            "ones.",
+            code=3,
+        )
 
 
 if __name__ == "__main__":

@@ -53,8 +53,11 @@ def fail(message: str, code: int = 2, printer: bool | None = None) -> None:
 
 
 if tuple(int(n) for n in re.findall(r"\d+", torch.__version__)[:2]) < MIN_TORCH:
-    fail(f"this script needs PyTorch {'.'.join(map(str, MIN_TORCH))} or newer, not {torch.__version__}; "
-         "upgrade it with pip install --upgrade torch.")
+    fail(
+        f"this script needs PyTorch {'.'.join(map(str, MIN_TORCH))} or newer, not "
+        f"{torch.__version__}; "
+        "upgrade it with pip install --upgrade torch."
+    )
 
 import torch.distributed as dist  # noqa: E402 (after the version check)
 
@@ -94,14 +97,29 @@ def read_topology() -> tuple[int, int, int]:
     if "SLURM_PROCID" in env:
         if "MASTER_ADDR" not in env:
             nodes = int(env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", "1")))
-            host = "127.0.0.1" if nodes == 1 else first_host(env.get("SLURM_STEP_NODELIST",
-                                                                     env.get("SLURM_JOB_NODELIST", "")))
+            host = (
+                "127.0.0.1"
+                if nodes == 1
+                else first_host(
+                    env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", ""))
+                )
+            )
             if not host:
-                raise UsageError("under SLURM on several nodes the processes meet on the first node, but neither "
-                                 "MASTER_ADDR nor a node list (SLURM_JOB_NODELIST) names it; set MASTER_ADDR.")
+                raise UsageError(
+                    "under SLURM on several nodes the processes meet on the first "
+                    "node, but neither "
+                    "MASTER_ADDR nor a node list (SLURM_JOB_NODELIST) names it; set "
+                    "MASTER_ADDR."
+                )
             env["MASTER_ADDR"] = host
-        env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
-        return int(env["SLURM_PROCID"]), int(env["SLURM_LOCALID"]), int(env["SLURM_NTASKS"])
+        env.setdefault(
+            "MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
+        )
+        return (
+            int(env["SLURM_PROCID"]),
+            int(env["SLURM_LOCALID"]),
+            int(env["SLURM_NTASKS"]),
+        )
     env.setdefault("MASTER_ADDR", "127.0.0.1")
     env.setdefault("MASTER_PORT", str(free_port()))  # alone: any free port will do
     return 0, 0, 1
@@ -117,14 +135,21 @@ def describe_process(local_rank: int) -> dict:
     gpu = None
     if count:
         index = local_rank % count
-        gpu = {"index": index, "uuid": str(getattr(torch.cuda.get_device_properties(index), "uuid", index))}
+        gpu = {
+            "index": index,
+            "uuid": str(
+                getattr(torch.cuda.get_device_properties(index), "uuid", index)
+            ),
+        }
     return {"host": socket.gethostname(), "gpu": gpu}
 
 
 def gpu_problem(everyone: list[dict]) -> str:
     """Why the processes in ``everyone`` cannot each have a GPU of their own ("" if they can)."""
     without = [i for i, p in enumerate(everyone) if p["gpu"] is None]
-    shared = collections.Counter((p["host"], p["gpu"]["uuid"]) for p in everyone if p["gpu"])
+    shared = collections.Counter(
+        (p["host"], p["gpu"]["uuid"]) for p in everyone if p["gpu"]
+    )
     if len(without) == len(everyone):
         return "no process sees a GPU"
     if without:
@@ -140,25 +165,47 @@ def meet(rank: int, world_size: int, timeout: float) -> tuple[dist.Store, list[d
     """Reach the rendezvous at MASTER_ADDR:MASTER_PORT; return its store and every process's report."""
     where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     try:
-        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size,
-                                           timeout=datetime.timedelta(seconds=timeout)))  # fmt: skip
+        store, _, _ = next(
+            dist.rendezvous(
+                "env://",
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=timeout),
+            )
+        )
     except dist.DistError as err:
         if "EADDRINUSE" in str(err) or "already in use" in str(err):
-            raise RendezvousError(f"port {where} is already in use; set MASTER_PORT to a free port.") from None
+            raise RendezvousError(
+                f"port {where} is already in use; set MASTER_PORT to a free port."
+            ) from None
         if "waiting for clients" in str(err):
             joined = re.search(r"(\d+)/(\d+) clients", str(err))
-            count = f"only {joined[1]} of {joined[2]} processes" if joined else "not every process"
-            raise RendezvousError(f"{count} reached the rendezvous at {where} within {timeout:g} s; start all "
-                                  "of them, and check that every node can reach that address.") from None
-        raise RendezvousError(f"cannot reach the rendezvous at {where} within {timeout:g} s; check MASTER_ADDR "
-                              "and MASTER_PORT, and that rank 0 is running.") from None
+            count = (
+                f"only {joined[1]} of {joined[2]} processes"
+                if joined
+                else "not every process"
+            )
+            raise RendezvousError(
+                f"{count} reached the rendezvous at {where} within {timeout:g} s; "
+                "start all "
+                "of them, and check that every node can reach that address."
+            ) from None
+        raise RendezvousError(
+            f"cannot reach the rendezvous at {where} within {timeout:g} s; check "
+            "MASTER_ADDR "
+            "and MASTER_PORT, and that rank 0 is running."
+        ) from None
     # Every process reports its host and GPU; all read all reports, so all decide alike.
     key = f"{SCRIPT}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
     store.set(f"{key}{rank}", json.dumps(describe_process(env_rank(local=True))))
     everyone = [json.loads(store.get(f"{key}{r}")) for r in range(world_size)]
     store.add(f"{key}read", 1)
     deadline = time.monotonic() + timeout
-    while rank == 0 and store.add(f"{key}read", 0) < world_size and time.monotonic() < deadline:
+    while (
+        rank == 0
+        and store.add(f"{key}read", 0) < world_size
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.01)  # rank 0 may host the store: it stays until everyone has read
     return store, everyone
 
@@ -176,13 +223,25 @@ def setup_distributed(timeout: float = 600.0) -> tuple[int, int, int, torch.devi
     if problem:
         device, backend = torch.device("cpu"), "gloo"
         if any(p["gpu"] for p in everyone) and rank == 0:
-            print(f"{SCRIPT}: note: {problem}, so every process runs on the CPU with gloo.", flush=True)
+            print(
+                f"{SCRIPT}: note: {problem}, so every process runs on the CPU with "
+                "gloo.",
+                flush=True,
+            )
     else:
-        device, backend = torch.device("cuda", local_rank % torch.cuda.device_count()), "nccl"
+        device, backend = (
+            torch.device("cuda", local_rank % torch.cuda.device_count()),
+            "nccl",
+        )
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout),
-                            device_id=device if device.type == "cuda" else None)  # fmt: skip
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore("default_pg", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout),
+        device_id=device if device.type == "cuda" else None,
+    )
     return rank, local_rank, world_size, device
 
 
@@ -199,20 +258,40 @@ def run_main(main) -> None:
 
 
 def main() -> None:
-    parser = ArgumentParser(prog=SCRIPT, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--timeout", type=float, default=600.0,
-                        help="seconds to wait for the other processes (default: 600, PyTorch's own)")
-    parser.add_argument("--results", default="", help="JSON file rank 0 writes (default: none)")
+    parser = ArgumentParser(
+        prog=SCRIPT,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for the other processes (default: 600, PyTorch's own)",
+    )
+    parser.add_argument(
+        "--results", default="", help="JSON file rank 0 writes (default: none)"
+    )
     args = parser.parse_args()
 
     rank, _, world_size, device = setup_distributed(args.timeout)
     value = torch.tensor([float(rank + 1)], device=device)
     dist.all_reduce(value)  # sum over ranks: 1 + 2 + ... + world_size
     if rank == 0:
-        print(f"[rank 0] {world_size} process(es), backend {dist.get_backend()}: sum = {value.item():g}")
+        print(
+            f"[rank 0] {world_size} process(es), backend {dist.get_backend()}: sum = "
+            f"{value.item():g}"
+        )
         if args.results:
             with open(args.results, "w") as f:
-                json.dump({"world_size": world_size, "backend": dist.get_backend(), "sum": value.item()}, f)
+                json.dump(
+                    {
+                        "world_size": world_size,
+                        "backend": dist.get_backend(),
+                        "sum": value.item(),
+                    },
+                    f,
+                )
     dist.destroy_process_group()
 
 

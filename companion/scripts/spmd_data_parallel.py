@@ -81,21 +81,36 @@ def fail(message: str, code: int = 2, printer: bool | None = None) -> None:
 
 
 if tuple(int(n) for n in re.findall(r"\d+", torch.__version__)[:2]) < MIN_TORCH:
-    fail(f"this script needs PyTorch {'.'.join(map(str, MIN_TORCH))} or newer, not {torch.__version__}; "
-         "upgrade it with pip install --upgrade torch.")
+    fail(
+        f"this script needs PyTorch {'.'.join(map(str, MIN_TORCH))} or newer, not "
+        f"{torch.__version__}; "
+        "upgrade it with pip install --upgrade torch."
+    )
 
 import torch.distributed as dist  # noqa: E402 (after the version check, which names what is missing)
 import torch.nn as nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 try:
-    from torch.distributed._composable import replicate  # private API (leading underscore)
+    from torch.distributed._composable import (
+        replicate,
+    )  # private API (leading underscore)
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, init_device_mesh
+    from torch.distributed.tensor import (
+        DTensor,
+        Replicate,
+        Shard,
+        distribute_module,
+        init_device_mesh,
+    )
 except ImportError as err:  # a newer torch may drop the private replicate()
-    fail(f"this script needs torch.distributed.fsdp.fully_shard, torch.distributed.tensor and the private "
-         f"torch.distributed._composable.replicate, which this PyTorch {torch.__version__} lacks ({err}); "
-         "use PyTorch 2.6 to 2.14.")
+    fail(
+        "this script needs torch.distributed.fsdp.fully_shard, "
+        "torch.distributed.tensor and the private "
+        "torch.distributed._composable.replicate, which this PyTorch "
+        f"{torch.__version__} lacks ({err}); "
+        "use PyTorch 2.6 to 2.14."
+    )
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -133,14 +148,29 @@ def read_topology() -> tuple[int, int, int]:
     if "SLURM_PROCID" in env:
         if "MASTER_ADDR" not in env:
             nodes = int(env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", "1")))
-            host = "127.0.0.1" if nodes == 1 else first_host(env.get("SLURM_STEP_NODELIST",
-                                                                     env.get("SLURM_JOB_NODELIST", "")))
+            host = (
+                "127.0.0.1"
+                if nodes == 1
+                else first_host(
+                    env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", ""))
+                )
+            )
             if not host:
-                raise UsageError("under SLURM on several nodes the processes meet on the first node, but neither "
-                                 "MASTER_ADDR nor a node list (SLURM_JOB_NODELIST) names it; set MASTER_ADDR.")
+                raise UsageError(
+                    "under SLURM on several nodes the processes meet on the first "
+                    "node, but neither "
+                    "MASTER_ADDR nor a node list (SLURM_JOB_NODELIST) names it; set "
+                    "MASTER_ADDR."
+                )
             env["MASTER_ADDR"] = host
-        env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
-        return int(env["SLURM_PROCID"]), int(env["SLURM_LOCALID"]), int(env["SLURM_NTASKS"])
+        env.setdefault(
+            "MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
+        )
+        return (
+            int(env["SLURM_PROCID"]),
+            int(env["SLURM_LOCALID"]),
+            int(env["SLURM_NTASKS"]),
+        )
     env.setdefault("MASTER_ADDR", "127.0.0.1")
     env.setdefault("MASTER_PORT", str(free_port()))  # alone: any free port will do
     return 0, 0, 1
@@ -156,14 +186,21 @@ def describe_process(local_rank: int) -> dict:
     gpu = None
     if count:
         index = local_rank % count
-        gpu = {"index": index, "uuid": str(getattr(torch.cuda.get_device_properties(index), "uuid", index))}
+        gpu = {
+            "index": index,
+            "uuid": str(
+                getattr(torch.cuda.get_device_properties(index), "uuid", index)
+            ),
+        }
     return {"host": socket.gethostname(), "gpu": gpu}
 
 
 def gpu_problem(everyone: list[dict]) -> str:
     """Why the processes in ``everyone`` cannot each have a GPU of their own ("" if they can)."""
     without = [i for i, p in enumerate(everyone) if p["gpu"] is None]
-    shared = collections.Counter((p["host"], p["gpu"]["uuid"]) for p in everyone if p["gpu"])
+    shared = collections.Counter(
+        (p["host"], p["gpu"]["uuid"]) for p in everyone if p["gpu"]
+    )
     if len(without) == len(everyone):
         return "no process sees a GPU"
     if without:
@@ -179,25 +216,47 @@ def meet(rank: int, world_size: int, timeout: float) -> tuple[dist.Store, list[d
     """Reach the rendezvous at MASTER_ADDR:MASTER_PORT; return its store and every process's report."""
     where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     try:
-        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size,
-                                           timeout=datetime.timedelta(seconds=timeout)))  # fmt: skip
+        store, _, _ = next(
+            dist.rendezvous(
+                "env://",
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=timeout),
+            )
+        )
     except dist.DistError as err:
         if "EADDRINUSE" in str(err) or "already in use" in str(err):
-            raise RendezvousError(f"port {where} is already in use; set MASTER_PORT to a free port.") from None
+            raise RendezvousError(
+                f"port {where} is already in use; set MASTER_PORT to a free port."
+            ) from None
         if "waiting for clients" in str(err):
             joined = re.search(r"(\d+)/(\d+) clients", str(err))
-            count = f"only {joined[1]} of {joined[2]} processes" if joined else "not every process"
-            raise RendezvousError(f"{count} reached the rendezvous at {where} within {timeout:g} s; start all "
-                                  "of them, and check that every node can reach that address.") from None
-        raise RendezvousError(f"cannot reach the rendezvous at {where} within {timeout:g} s; check MASTER_ADDR "
-                              "and MASTER_PORT, and that rank 0 is running.") from None
+            count = (
+                f"only {joined[1]} of {joined[2]} processes"
+                if joined
+                else "not every process"
+            )
+            raise RendezvousError(
+                f"{count} reached the rendezvous at {where} within {timeout:g} s; "
+                "start all "
+                "of them, and check that every node can reach that address."
+            ) from None
+        raise RendezvousError(
+            f"cannot reach the rendezvous at {where} within {timeout:g} s; check "
+            "MASTER_ADDR "
+            "and MASTER_PORT, and that rank 0 is running."
+        ) from None
     # Every process reports its host and GPU; all read all reports, so all decide alike.
     key = f"{SCRIPT}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
     store.set(f"{key}{rank}", json.dumps(describe_process(env_rank(local=True))))
     everyone = [json.loads(store.get(f"{key}{r}")) for r in range(world_size)]
     store.add(f"{key}read", 1)
     deadline = time.monotonic() + timeout
-    while rank == 0 and store.add(f"{key}read", 0) < world_size and time.monotonic() < deadline:
+    while (
+        rank == 0
+        and store.add(f"{key}read", 0) < world_size
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.01)  # rank 0 may host the store: it stays until everyone has read
     return store, everyone
 
@@ -215,13 +274,25 @@ def setup_distributed(timeout: float = 600.0) -> tuple[int, int, int, torch.devi
     if problem:
         device, backend = torch.device("cpu"), "gloo"
         if any(p["gpu"] for p in everyone) and rank == 0:
-            print(f"{SCRIPT}: note: {problem}, so every process runs on the CPU with gloo.", flush=True)
+            print(
+                f"{SCRIPT}: note: {problem}, so every process runs on the CPU with "
+                "gloo.",
+                flush=True,
+            )
     else:
-        device, backend = torch.device("cuda", local_rank % torch.cuda.device_count()), "nccl"
+        device, backend = (
+            torch.device("cuda", local_rank % torch.cuda.device_count()),
+            "nccl",
+        )
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout),
-                            device_id=device if device.type == "cuda" else None)  # fmt: skip
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore("default_pg", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout),
+        device_id=device if device.type == "cuda" else None,
+    )
     return rank, local_rank, world_size, device
 
 
@@ -237,11 +308,19 @@ def run_main(main) -> None:
         fail(str(err), printer=env_rank(local=isinstance(err, RendezvousError)) == 0)
 
 
-METHODS = ("DTensor replicate", "replicate (private)", "fully_shard", "no sync (control)")
+METHODS = (
+    "DTensor replicate",
+    "replicate (private)",
+    "fully_shard",
+    "no sync (control)",
+)
 OPTIMIZERS = {  # name: (class, keyword arguments); "fused" is added where supported
     "SGD lr=0.1": (torch.optim.SGD, {"lr": 0.1}),
     "SGD momentum=0.9": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
-    "SGD momentum=0.9 foreach": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "foreach": True}),
+    "SGD momentum=0.9 foreach": (
+        torch.optim.SGD,
+        {"lr": 0.1, "momentum": 0.9, "foreach": True},
+    ),
     "Adam lr=0.1 fused": (torch.optim.Adam, {"lr": 0.1, "fused": True}),
 }
 
@@ -278,12 +357,17 @@ class BatchDim1MLP(nn.Module):
         return self.mlp(x.t().contiguous()).t().contiguous()
 
 
-def make_batches(steps: int, batch_size: int, batch_dim: int, device: torch.device) -> list:
+def make_batches(
+    steps: int, batch_size: int, batch_dim: int, device: torch.device
+) -> list:
     """The same ``steps`` global (inputs, targets) batches on every rank."""
     g = torch.Generator().manual_seed(1)
     batches = []
     for _ in range(steps):
-        x, y = torch.randn(batch_size, 50, generator=g), torch.rand(batch_size, 8, generator=g)
+        x, y = (
+            torch.randn(batch_size, 50, generator=g),
+            torch.rand(batch_size, 8, generator=g),
+        )
         if batch_dim == 1:
             x, y = x.t().contiguous(), y.t().contiguous()
         batches.append((x.to(device), y.to(device)))
@@ -292,7 +376,9 @@ def make_batches(steps: int, batch_size: int, batch_dim: int, device: torch.devi
 
 def local_slice(t: torch.Tensor, batch_dim: int) -> torch.Tensor:
     """This rank's contiguous slice of the global batch along ``batch_dim``."""
-    return t.tensor_split(dist.get_world_size(), dim=batch_dim)[dist.get_rank()].contiguous()
+    return t.tensor_split(dist.get_world_size(), dim=batch_dim)[
+        dist.get_rank()
+    ].contiguous()
 
 
 def make_optimizer(name: str, params, device: torch.device) -> torch.optim.Optimizer:
@@ -319,7 +405,8 @@ def wrap(method: str, model: nn.Module, mesh) -> nn.Module:
         return fully_shard(model, mesh=mesh)
     if method == "no sync (control)":
         return model
-    # DTensor replicate: with no partition_fn, distribute_module replicates every parameter.
+    # DTensor replicate: with no partition_fn, distribute_module replicates every
+    # parameter.
     model = distribute_module(model, mesh)
     for p in model.parameters():
         # The weight gradient of a batch-sharded product is Partial (each rank
@@ -328,7 +415,9 @@ def wrap(method: str, model: nn.Module, mesh) -> nn.Module:
     return model
 
 
-def train(method: str, model: nn.Module, opt_name: str, batches: list, batch_dim: int, mesh) -> list[float]:
+def train(
+    method: str, model: nn.Module, opt_name: str, batches: list, batch_dim: int, mesh
+) -> list[float]:
     """Train ``model`` with ``method`` on ``batches``; return the per-step global losses."""
     device = batches[0][0].device
     model = wrap(method, model, mesh)
@@ -346,7 +435,9 @@ def train(method: str, model: nn.Module, opt_name: str, batches: list, batch_dim
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        loss = loss.full_tensor() if isinstance(loss, DTensor) else loss.detach().clone()
+        loss = (
+            loss.full_tensor() if isinstance(loss, DTensor) else loss.detach().clone()
+        )
         if method != "DTensor replicate":  # a local mean: average it over the ranks
             dist.all_reduce(loss, op=dist.ReduceOp.SUM)
             loss /= dist.get_world_size()
@@ -356,10 +447,15 @@ def train(method: str, model: nn.Module, opt_name: str, batches: list, batch_dim
 
 def full_parameters(model: nn.Module) -> list[torch.Tensor]:
     """Every parameter of ``model`` as a plain, full tensor (shards gathered)."""
-    return [(p.full_tensor() if isinstance(p, DTensor) else p).detach() for p in model.parameters()]
+    return [
+        (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+        for p in model.parameters()
+    ]
 
 
-def run_case(model_name: str, opt_name: str, args, mesh, device: torch.device) -> list[dict]:
+def run_case(
+    model_name: str, opt_name: str, args, mesh, device: torch.device
+) -> list[dict]:
     """Train DDP and every method from the same start; compare parameters with DDP's."""
     batch_dim = 1 if model_name == "batch dim 1" else 0
     torch.manual_seed(0)
@@ -368,29 +464,66 @@ def run_case(model_name: str, opt_name: str, args, mesh, device: torch.device) -
     reference = deepcopy(start)
     train("DDP", reference, opt_name, batches, batch_dim, mesh)
     ref_params = full_parameters(reference)
-    moved = max((p - q).abs().max().item() for p, q in zip(full_parameters(start), ref_params))
-    print0(f"{model_name:12s} {opt_name:26s} DDP moved the parameters by up to {moved:.1e}")
+    moved = max(
+        (p - q).abs().max().item() for p, q in zip(full_parameters(start), ref_params)
+    )
+    print0(
+        f"{model_name:12s} {opt_name:26s} DDP moved the parameters by up to {moved:.1e}"
+    )
     rows = []
     for method in METHODS:
         model = deepcopy(start)
         train(method, model, opt_name, batches, batch_dim, mesh)
-        diff = max((p - q).abs().max().item() for p, q in zip(full_parameters(model), ref_params))
-        rows.append({"model": model_name, "optimizer": opt_name, "method": method,
-                     "max_abs_diff": diff, "ddp_moved": moved})  # fmt: skip
-        print0(f"{model_name:12s} {opt_name:26s} {method:20s} max |param - DDP param| = {diff:.1e}")
+        diff = max(
+            (p - q).abs().max().item()
+            for p, q in zip(full_parameters(model), ref_params)
+        )
+        rows.append(
+            {
+                "model": model_name,
+                "optimizer": opt_name,
+                "method": method,
+                "max_abs_diff": diff,
+                "ddp_moved": moved,
+            }
+        )
+        print0(
+            f"{model_name:12s} {opt_name:26s} {method:20s} max |param - DDP param| = "
+            f"{diff:.1e}"
+        )
     return rows
 
 
 def main() -> None:
-    parser = ArgumentParser(prog=SCRIPT, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=5, help="training steps per run (default: 5)")
-    parser.add_argument("--batch-size", type=int, default=128,
-                        help="global batch size, a multiple of the number of processes (default: 128)")
-    parser.add_argument("--tolerance", type=float, default=1e-5,
-                        help="largest parameter difference from DDP that counts as equal (default: 1e-5, float32)")
-    parser.add_argument("--timeout", type=float, default=600.0,
-                        help="seconds the processes wait for each other (default: 600, PyTorch's own)")
-    parser.add_argument("--results", default="", help="JSON file rank 0 writes (default: none)")
+    parser = ArgumentParser(
+        prog=SCRIPT,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--steps", type=int, default=5, help="training steps per run (default: 5)"
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=128,
+        help="global batch size, a multiple of the number of processes (default: 128)",
+    )
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=1e-5,
+        help="largest parameter difference from DDP that counts as equal (default: 1e-5, float32)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds the processes wait for each other (default: 600, PyTorch's own)",
+    )
+    parser.add_argument(
+        "--results", default="", help="JSON file rank 0 writes (default: none)"
+    )
     args = parser.parse_args()
     world_size = read_topology()[2]
     if args.steps < 1:
@@ -398,34 +531,61 @@ def main() -> None:
     if args.batch_size < 1 or args.batch_size % world_size:
         # An uneven split gives the ranks batches of different sizes: DDP's mean of
         # their means is then not the global mean, and no method could match it.
-        parser.error(f"--batch-size {args.batch_size} does not split evenly over {world_size} processes; "
-                     f"use a multiple of {world_size}.")
+        parser.error(
+            f"--batch-size {args.batch_size} does not split evenly over {world_size} "
+            "processes; "
+            f"use a multiple of {world_size}."
+        )
     if args.tolerance <= 0 or args.timeout <= 0:
         parser.error("--tolerance and --timeout must be positive.")
 
     rank, _, world_size, device = setup_distributed(args.timeout)
     mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
-    print0(f"{world_size} processes on {device.type}, {args.steps} steps, global batch {args.batch_size}")
+    print0(
+        f"{world_size} processes on {device.type}, {args.steps} steps, global batch "
+        f"{args.batch_size}"
+    )
     rows = []
     for model_name in ("batch dim 0", "batch dim 1"):
         for opt_name in OPTIMIZERS:
             rows += run_case(model_name, opt_name, args, mesh, device)
     spmd = [r["max_abs_diff"] for r in rows if r["method"] != "no sync (control)"]
     control = [r["max_abs_diff"] for r in rows if r["method"] == "no sync (control)"]
-    print0(f"Largest difference from DDP over {len(spmd)} SPMD runs: {max(spmd):.1e}; "
-           f"smallest of the {len(control)} no-sync controls: {min(control):.1e}")  # fmt: skip
+    print0(
+        f"Largest difference from DDP over {len(spmd)} SPMD runs: {max(spmd):.1e}; "
+        f"smallest of the {len(control)} no-sync controls: {min(control):.1e}"
+    )
     if rank == 0 and args.results:
         with open(args.results, "w") as f:
-            json.dump({"world_size": world_size, "steps": args.steps, "batch_size": args.batch_size,
-                       "dtype": str(torch.get_default_dtype()), "tolerance": args.tolerance,
-                       "rows": rows}, f)  # fmt: skip
+            json.dump(
+                {
+                    "world_size": world_size,
+                    "steps": args.steps,
+                    "batch_size": args.batch_size,
+                    "dtype": str(torch.get_default_dtype()),
+                    "tolerance": args.tolerance,
+                    "rows": rows,
+                },
+                f,
+            )
     dist.destroy_process_group()
     if max(spmd) > args.tolerance or min(control) <= args.tolerance:
-        worst = max(rows, key=lambda r: r["max_abs_diff"] if r["method"] != "no sync (control)" else -1.0)
-        fail(f"{worst['method']} ({worst['model']}, {worst['optimizer']}) ended {worst['max_abs_diff']:.1e} from "
-             f"DDP, beyond --tolerance {args.tolerance:g}" if max(spmd) > args.tolerance else
-             f"a no-sync control ended only {min(control):.1e} from DDP, within --tolerance {args.tolerance:g}, "
-             "so the comparison cannot tell synced from unsynced training; train longer (--steps)", code=3)
+        worst = max(
+            rows,
+            key=lambda r: (
+                r["max_abs_diff"] if r["method"] != "no sync (control)" else -1.0
+            ),
+        )
+        fail(
+            f"{worst['method']} ({worst['model']}, {worst['optimizer']}) ended "
+            f"{worst['max_abs_diff']:.1e} from "
+            f"DDP, beyond --tolerance {args.tolerance:g}"
+            if max(spmd) > args.tolerance
+            else f"a no-sync control ended only {min(control):.1e} from DDP, within --tolerance {args.tolerance:g}, "
+            "so the comparison cannot tell synced from unsynced training; train longer "
+            "(--steps)",
+            code=3,
+        )
 
 
 if __name__ == "__main__":

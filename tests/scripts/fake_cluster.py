@@ -33,12 +33,25 @@ import types
 import torch
 import torch.distributed as dist
 
-LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-                 "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE")  # fmt: skip
+LAUNCHER_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_USE_AGENT_STORE",
+)
 
 plan_file, me, out_file = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 plan = json.loads(open(plan_file).read())
-real_exit, real_rendezvous, real_hostname = sys.exit, dist.rendezvous, __import__("socket").gethostname
+real_exit, real_rendezvous, real_hostname = (
+    sys.exit,
+    dist.rendezvous,
+    __import__("socket").gethostname,
+)
 record: dict = {}
 
 
@@ -52,10 +65,22 @@ def fake_rendezvous(url, *args, **kwargs):
     return real_rendezvous(url, *args, **kwargs)
 
 
-def fake_init(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1, store=None,
-              device_id=None, **kwargs):  # fmt: skip
-    record.update(backend=backend, device_id=None if device_id is None else str(device_id),
-                  rank=rank, world_size=world_size)  # fmt: skip
+def fake_init(
+    backend=None,
+    init_method=None,
+    timeout=None,
+    world_size=-1,
+    rank=-1,
+    store=None,
+    device_id=None,
+    **kwargs,
+):
+    record.update(
+        backend=backend,
+        device_id=None if device_id is None else str(device_id),
+        rank=rank,
+        world_size=world_size,
+    )
     if store is not None:  # leave together: rank 0 may host the store
         store.add("fake/arrived", 1)
         while store.add("fake/arrived", 0) < world_size:
@@ -85,7 +110,9 @@ for case in plan:
     uuids = process["gpus"]
     torch.cuda.is_available = lambda uuids=uuids: bool(uuids)
     torch.cuda.device_count = lambda uuids=uuids: len(uuids)
-    torch.cuda.get_device_properties = lambda i, uuids=uuids: types.SimpleNamespace(uuid=uuids[i], name="fake")
+    torch.cuda.get_device_properties = lambda i, uuids=uuids: types.SimpleNamespace(
+        uuid=uuids[i], name="fake"
+    )
     torch.cuda.set_device = lambda device: record.update(set_device=str(device))
     dist.is_nccl_available = lambda: True
     dist.init_process_group = fake_init
@@ -106,7 +133,15 @@ for case in plan:
     sys.exit = real_exit
     record.update(stderr=stderr.getvalue(), stdout=stdout.getvalue())
     if os.environ.get("FAKE_CLUSTER_DEBUG"):
-        print(me, case["name"], case["script"], record.get("backend"), record.get("exit_code"), file=sys.__stderr__, flush=True)
+        print(
+            me,
+            case["name"],
+            case["script"],
+            record.get("backend"),
+            record.get("exit_code"),
+            file=sys.__stderr__,
+            flush=True,
+        )
     results.append(record)
 
 sys.modules["socket"].gethostname = real_hostname
