@@ -47,14 +47,15 @@ def piece_offsets(
 
 
 def plot_placements(
-    layouts: Sequence[Mapping[str, Any]], *, cell: float = 0.32
+    layouts: Sequence[Mapping[str, Any]], *, cell: float = 0.21
 ) -> Figure:
     """One row per layout, one column per rank; each panel shades the rank's piece.
 
     Args:
         layouts: dicts with ``label``, ``placement``, ``global_shape`` and
             ``locals`` (one nested list per rank), as the script writes them.
-        cell: size of one matrix element in inches.
+        cell: size of one matrix element in inches (0.21: four ranks of 4x8
+            matrices fill the book's column at full size, numbers at 7.5 pt).
     """
     n_ranks = len(layouts[0]["locals"])
     rows, cols = (
@@ -90,16 +91,16 @@ def plot_placements(
                     f"{v:g}",
                     ha="center",
                     va="center",
-                    fontsize=6.5,
+                    fontsize=7.5,
                 )
             ax.set_xticks(range(g_cols + 1), labels=[])
             ax.set_yticks(range(g_rows + 1), labels=[])
             ax.tick_params(length=0)
             ax.grid(color="white", linewidth=1)
-            ax.set_title(f"rank {rank}", fontsize=8)
+            ax.set_title(f"rank {rank}", fontsize=9)
             if rank == 0:
                 ax.set_ylabel(
-                    layout["label"], fontsize=8, rotation=0, ha="right", va="center"
+                    layout["label"], fontsize=9, rotation=0, ha="right", va="center"
                 )
     fig.set_layout_engine("constrained")
     return fig

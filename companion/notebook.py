@@ -51,9 +51,11 @@ def _short_errors() -> None:
 
 
 def setup_notebook(seed: int = 0) -> None:
-    """Seed the generators, draw static PNG figures, and quiet known noise.
+    """Seed the generators, draw sharp PNG figures, and quiet known noise.
 
-    - figures: PNG (nbval does not compare images; SVG carries random ids);
+    - figures: PNG at twice the resolution ("retina"), shown at their size, so
+      they stay sharp on high-DPI screens (nbval does not compare images; SVG
+      would carry random ids);
     - ``torch.compile``'s "No CUDA runtime is found" log line on CPU-only
       machines is silenced, because nbval compares stderr too;
     - errors that carry a one-sentence message are shown without traceback.
@@ -62,7 +64,7 @@ def setup_notebook(seed: int = 0) -> None:
     try:
         from matplotlib_inline.backend_inline import set_matplotlib_formats
 
-        set_matplotlib_formats("png")
+        set_matplotlib_formats("retina")
     except ImportError:
         pass
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
