@@ -113,11 +113,10 @@ class ImageData:
     classes: list[str]
 
     def __str__(self) -> str:
+        shape = " x ".join(str(n) for n in self.train.tensors[0].shape[1:])
         return (
-            f"{self.name}: {len(self.train):,} training and {len(self.test):,} test "
-            "images, "
-            f"{len(self.classes)} classes, shape "
-            f"{tuple(self.train.tensors[0].shape[1:])}"
+            f"{self.name}, {len(self.train):,} training and {len(self.test):,} test "
+            f"images of {shape}, {len(self.classes)} classes"
         )
 
 
@@ -151,7 +150,7 @@ def load_digits(size: int = 28, test_fraction: float = 0.2, seed: int = 0) -> Im
     n_test = int(len(labels) * test_fraction)
     test, train = order[:n_test], order[n_test:]
     return ImageData(
-        name="scikit-learn digits (offline stand-in)",
+        name="scikit-learn's digits",
         train=TensorDataset(images[train], labels[train]),
         test=TensorDataset(images[test], labels[test]),
         classes=[str(d) for d in range(10)],
@@ -207,6 +206,12 @@ def _online(
         return False
 
 
+FALLBACK_NOTE = (
+    "(Where Fashion-MNIST is on disk or can be downloaded, the same code uses it "
+    "instead.)"
+)
+
+
 def load_image_data(
     root: str | Path | None = None,
     *,
@@ -216,8 +221,9 @@ def load_image_data(
 ) -> ImageData:
     """Return Fashion-MNIST if it is on disk or can be downloaded, else the digits.
 
-    Prints one line saying which data set is used. ``max_train`` and
-    ``max_test`` keep only the first images, for quick runs.
+    Prints which data set is used (and, for the digits, that Fashion-MNIST is
+    used where it can be had). ``max_train`` and ``max_test`` keep only the
+    first images, for quick runs.
     """
     folder = Path(root).expanduser() if root is not None else default_data_root()
     offline = os.environ.get("COURSE_OFFLINE", "") not in ("", "0")
@@ -232,8 +238,11 @@ def load_image_data(
                 reason = "downloaded"
     if data is None:
         data = load_digits()
-        reason = "Fashion-MNIST is not on disk and could not be downloaded"
+        reason = ""
     data.train = _subset(data.train, max_train)
     data.test = _subset(data.test, max_test)
-    print(f"Data set: {data} ({reason}).")
+    if reason:
+        print(f"Data: {data} ({reason}).")
+    else:
+        print(f"Data: {data}.\n{FALLBACK_NOTE}")
     return data

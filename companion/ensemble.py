@@ -479,21 +479,22 @@ def benchmark_ensemble(
 
 
 def format_speed_table(rows: Sequence[dict[str, Any]]) -> str:
-    """Lay out ``benchmark_ensemble``'s rows: step times, speed-ups over the module loop, compile time."""
+    """Lay out ``benchmark_ensemble``'s rows: step times, speed-ups over the module
+    loop, compile time."""
     table = [
         {
             "models": row["models"],
-            "module loop": row["module loop"],
-            "functional loop": row["loop"],
-            "eager vmap": row["vmap"],
-            "compiled vmap": row["compiled"],
-            "vmap speed-up": format_ratio(
+            "module\nloop": row["module loop"],
+            "functional\nloop": row["loop"],
+            "eager\nvmap": row["vmap"],
+            "compiled\nvmap": row["compiled"],
+            "vmap\nspeed-up": format_ratio(
                 row["module loop"].median / row["vmap"].median, 1
             ),
-            "compiled speed-up": format_ratio(
+            "compiled\nspeed-up": format_ratio(
                 row["module loop"].median / row["compiled"].median, 1
             ),
-            "compile time": format_time(row["compile"]),
+            "compile\ntime": format_time(row["compile"]),
         }
         for row in rows
     ]

@@ -175,7 +175,8 @@ def format_table(
 ) -> str:
     """Lay out rows of equal keys as a plain-text table.
 
-    ``Timing`` values are shown as their median time; floats with 3
+    A key with a line break is a header of two (or more) lines, aligned at the
+    bottom, which keeps wide tables narrow. ``Timing`` values are shown as their median time; floats with 3
     significant digits. A last line says which hardware the numbers came
     from, with the threads the measurements used: ``threads`` when given,
     else those of the table's ``Timing`` values, else the current setting.
@@ -192,9 +193,17 @@ def format_table(
         return str(value)
 
     cells = [[cell(row[c]) for c in columns] for row in rows]
-    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    headers = [c.split("\n") for c in columns]
+    depth = max(len(h) for h in headers)
+    headers = [[""] * (depth - len(h)) + h for h in headers]
+    widths = [
+        max(*(len(part) for part in h), *(len(r[i]) for r in cells))
+        for i, h in enumerate(headers)
+    ]
     lines = [title] if title else []
-    lines.append("  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip())
+    for level in range(depth):
+        parts = (h[level].ljust(w) for h, w in zip(headers, widths))
+        lines.append("  ".join(parts).rstrip())
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in cells]
     if hardware:

@@ -166,3 +166,81 @@ def test_notebook_code_has_no_unused_names_and_fits_the_column():
         text=True,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def load_colab_tool():
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import colab_cell
+    finally:
+        sys.path.pop(0)
+    return colab_cell
+
+
+def test_every_chapter_starts_with_the_current_colab_cell():
+    """`python tools/colab_cell.py --check`: each notebook's first code cell is the
+    one that _config.yml's repository.url gives (re-run the tool after changing it)."""
+    done = subprocess.run(
+        [sys.executable, "tools/colab_cell.py", "--check"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def run_cell_in(source: str, modules: dict) -> list[tuple[str, str]]:
+    """Run a cell's code as IPython would, with ``modules`` importable; return the
+    line magics it called."""
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    calls = []
+    shell = SimpleNamespace(run_line_magic=lambda name, line: calls.append((name, line)))
+    code = TransformerManager().transform_cell(source)
+    saved = {name: sys.modules.get(name) for name in modules}
+    sys.modules.update(modules)
+    try:
+        exec(code, {"get_ipython": lambda: shell})
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name)
+            else:
+                sys.modules[name] = module
+    return calls
+
+
+@pytest.mark.parametrize("needs_d2l", [False, True])
+def test_the_colab_cell_installs_from_the_repository_in_colab_only(needs_d2l):
+    tool = load_colab_tool()
+    source = tool.colab_cell_source(
+        "https://github.com/someone/course", "main", needs_d2l=needs_d2l
+    )
+    colab = {"google.colab": SimpleNamespace(), "google": SimpleNamespace()}
+    (magic,) = run_cell_in(source, colab)
+    assert magic[0] == "pip"
+    assert magic[1].startswith("install --quiet --no-deps ")
+    assert '"companion @ git+https://github.com/someone/course@main"' in magic[1]
+    assert ("d2l==1.0.3" in magic[1].split()) == needs_d2l
+    assert run_cell_in(source, {}) == []  # anywhere else: nothing
+
+
+def test_without_an_address_the_colab_cell_stops_in_colab_with_one_sentence():
+    tool = load_colab_tool()
+    source = tool.colab_cell_source("", "main", needs_d2l=False)
+    colab = {"google.colab": SimpleNamespace(), "google": SimpleNamespace()}
+    with pytest.raises(SystemExit, match=r"^Set repository.url in _config.yml"):
+        run_cell_in(source, colab)
+    assert run_cell_in(source, {}) == []
+
+
+def test_binder_post_build_repeats_the_makefile_set_up():
+    """Binder installs requirements.txt, then postBuild: the Makefile's other steps."""
+    steps = [
+        line
+        for line in (ROOT / "postBuild").read_text().splitlines()
+        if line.startswith("pip ")
+    ]
+    makefile = (ROOT / "Makefile").read_text()
+    assert len(steps) == 2
+    assert all(f"$(BIN)/{step}\n" in makefile for step in steps)

@@ -119,7 +119,10 @@ def test_fallback_says_which_data_set(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(data, "_online", lambda *a, **k: False)
     result = load_image_data(tmp_path, max_train=100, max_test=50)
     out = capsys.readouterr().out
-    assert out.startswith("Data set: scikit-learn digits")
+    assert out.startswith(
+        "Data: scikit-learn's digits, 100 training and 50 test images"
+    )
+    assert out.endswith(f"\n{data.FALLBACK_NOTE}\n")
     assert len(result.train) == 100 and len(result.test) == 50
 
 
@@ -145,7 +148,9 @@ def write_fashion_mnist(root):
     write_idx("t10k-labels-idx1-ubyte", np.array([4, 5]))
 
 
-FASHION_LINE = "Data set: Fashion-MNIST: 3 training and 2 test images, 10 classes, shape (1, 28, 28)"
+FASHION_LINE = (
+    "Data: Fashion-MNIST, 3 training and 2 test images of 1 x 28 x 28, 10 classes"
+)
 
 
 def test_local_fashion_mnist_is_used(tmp_path, monkeypatch, capsys):
@@ -199,7 +204,7 @@ def network(monkeypatch):
 def stand_in(monkeypatch):
     """A small stand-in for the digits (scikit-learn's take a second to load)."""
     fake = data.ImageData(
-        "scikit-learn digits (offline stand-in)",
+        "scikit-learn's digits",
         TensorDataset(torch.zeros(4, 1, 28, 28), torch.zeros(4, dtype=torch.long)),
         TensorDataset(torch.zeros(2, 1, 28, 28), torch.zeros(2, dtype=torch.long)),
         [str(d) for d in range(10)],
@@ -233,10 +238,9 @@ def test_offline_switch_never_downloads(
     assert result is stand_in
     assert network == {"online": [], "download": 0}  # not even a connection attempt
     assert capsys.readouterr().out == (
-        "Data set: scikit-learn digits (offline stand-in): 4 training and 2 test "
-        "images, 10 classes, "
-        "shape (1, 28, 28) (Fashion-MNIST is not on disk and could not be "
-        "downloaded).\n"
+        "Data: scikit-learn's digits, 4 training and 2 test images of 1 x 28 x 28, "
+        "10 classes.\n(Where Fashion-MNIST is on disk or can be downloaded, the same "
+        "code uses it instead.)\n"
     )
 
 
@@ -272,9 +276,7 @@ def test_failed_download_is_one_sentence_then_the_fallback(
     )
     assert f"{tmp_path}/FashionMNIST/raw" in str(info.value)
     assert load_image_data(tmp_path) is stand_in
-    assert capsys.readouterr().out.endswith(
-        "(Fashion-MNIST is not on disk and could not be downloaded).\n"
-    )
+    assert capsys.readouterr().out.endswith(f"\n{data.FALLBACK_NOTE}\n")
 
 
 @pytest.mark.parametrize("reachable", [True, False])

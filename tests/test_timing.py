@@ -281,6 +281,16 @@ def test_benchmark_context_manager_silent_on_error(capsys):
     assert capsys.readouterr().out == ""
 
 
+def test_format_table_headers_of_two_lines_align_at_the_bottom():
+    rows = [{"models": 8, "compiled\nspeed-up": "14.7x", "time": "3 ms"}]
+    assert format_table(rows, hardware=False) == (
+        "        compiled\n"
+        "models  speed-up  time\n"
+        "------  --------  ----\n"
+        "8       14.7x     3 ms"
+    )
+
+
 def test_format_table_aligns_and_names_hardware():
     t = Timing("x", 0.002, 0.0001, 10, "hw")
     rows = [

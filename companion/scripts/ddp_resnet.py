@@ -1,11 +1,15 @@
 """Train a small-input ResNet-18 with DistributedDataParallel, and time its parts.
 
-Launch lines, from the repository's root folder:
-    python companion/scripts/ddp_resnet.py --data images.pt                 # one process
-    torchrun --standalone --nproc-per-node=2 companion/scripts/ddp_resnet.py --data images.pt
-    torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
-        --rdzv-id=run1 companion/scripts/ddp_resnet.py --data images.pt     # on each of 2 nodes
-    srun --ntasks=4 --gpus-per-task=1 python companion/scripts/ddp_resnet.py --data images.pt
+Launch lines, from the repository's root folder (one process; two; two nodes of
+four, run on each node; four SLURM tasks):
+    python companion/scripts/ddp_resnet.py --data images.pt
+    torchrun --standalone --nproc-per-node=2 companion/scripts/ddp_resnet.py \\
+        --data images.pt
+    torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d \\
+        --rdzv-endpoint=HOST:29500 --rdzv-id=run1 \\
+        companion/scripts/ddp_resnet.py --data images.pt
+    srun --ntasks=4 --gpus-per-task=1 \\
+        python companion/scripts/ddp_resnet.py --data images.pt
 
 ``--data`` names a file written with ``torch.save`` holding a dict of four
 tensors, ``train_images`` and ``test_images`` (float, ``(N, C, H, W)``) and

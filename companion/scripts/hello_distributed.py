@@ -1,11 +1,11 @@
 """Smallest useful distributed program: every rank adds its number into a sum.
 
-Launch lines:
-    python hello_distributed.py                                  # one process
+Launch lines (one process; two; two nodes of two, run on each node; SLURM):
+    python hello_distributed.py
     torchrun --standalone --nproc-per-node=2 hello_distributed.py
-    torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
-        --rdzv-id=hello hello_distributed.py                     # on each of 2 nodes
-    srun --ntasks=4 python hello_distributed.py                  # under SLURM
+    torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d \\
+        --rdzv-endpoint=HOST:29500 --rdzv-id=hello hello_distributed.py
+    srun --ntasks=4 python hello_distributed.py
 
 All processes decide together: nccl with one GPU each when every process has
 a GPU of its own, gloo on the CPUs otherwise. Rank 0 prints the sum and, with

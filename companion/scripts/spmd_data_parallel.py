@@ -488,8 +488,7 @@ def run_case(
             }
         )
         print0(
-            f"{model_name:12s} {opt_name:26s} {method:20s} max |param - DDP param| = "
-            f"{diff:.1e}"
+            f"{model_name:12s} {opt_name:24s} {method:19s} max diff vs DDP = {diff:.1e}"
         )
     return rows
 
