@@ -201,11 +201,13 @@ def test_benchmark_ensemble_reports_every_count():
             assert row[key].label == f"{name}, {n} models"
         assert row["compile"] > 0
     lines = format_speed_table(rows).splitlines()
-    assert lines[1].split()[:3] == ["models", "module", "loop"]
-    assert [line.split()[0] for line in lines[3:5]] == ["1", "3"]
+    # A title, two header lines, a rule, the rows, the hardware line.
+    assert lines[1].split()[:3] == ["module", "functional", "eager"]
+    assert lines[2].split()[:3] == ["models", "loop", "loop"]
+    assert [line.split()[0] for line in lines[4:6]] == ["1", "3"]
     speed_up = rows[1]["module loop"].median / rows[1]["compiled"].median
-    assert f"{speed_up:.1f}" in lines[4]
-    assert len(lines) == 6 and lines[-1].startswith("Measured on:")
+    assert f"{speed_up:.1f}" in lines[5]
+    assert len(lines) == 7 and lines[-1].startswith("Measured on:")
     with pytest.raises(ValueError, match="model_counts"):
         benchmark_ensemble([0])
     with pytest.raises(ValueError, match="model_counts"):
