@@ -1,6 +1,7 @@
 # The course's two set-up commands (see README.md):
 #   make book   build the rendered book into _build/html
 #   make test   run every test: unit tests, script tests, nbval, the book build
+#               and its browser check
 # Both create .venv and install the pinned stack first when needed.
 
 PYTHON ?= python3

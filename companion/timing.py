@@ -176,8 +176,8 @@ def format_table(
     """Lay out rows of equal keys as a plain-text table.
 
     A key with a line break is a header of two (or more) lines, aligned at the
-    bottom, which keeps wide tables narrow. ``Timing`` values are shown as their median time; floats with 3
-    significant digits. A last line says which hardware the numbers came
+    bottom, which keeps wide tables narrow. ``Timing`` values are shown as
+    their median time; floats with 3 significant digits. A last line says which hardware the numbers came
     from, with the threads the measurements used: ``threads`` when given,
     else those of the table's ``Timing`` values, else the current setting.
     """

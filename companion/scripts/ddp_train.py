@@ -233,7 +233,7 @@ def first_host(nodelist: str) -> str:
 
 
 def read_topology() -> tuple[int, int, int]:
-    """Return ``rank, local_rank, world_size``, and make sure MASTER_ADDR and MASTER_PORT are set.
+    """Return ``rank, local_rank, world_size``; set MASTER_ADDR and MASTER_PORT if unset.
 
     From torchrun's (or mp.spawn's) RANK/LOCAL_RANK/WORLD_SIZE, else SLURM's
     SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS, else one process. Under srun,
@@ -306,7 +306,7 @@ def pick_device(
     local_world_size: int,
     everyone: list[dict] | None = None,
 ) -> tuple[str, torch.device]:
-    """Return the backend and this process's device; every process that sees ``everyone`` decides alike.
+    """Return the backend and this process's device, decided alike on every process.
 
     nccl and a GPU of its own for each process when every process has one,
     else gloo on the CPU for all; ``backend="nccl"`` then raises one sentence.
@@ -526,7 +526,10 @@ def newest_checkpoint(folder: Path) -> Path | None:
 
 
 def save_checkpoint(folder: Path, state: dict, keep: int) -> Path:
-    """Write ``state`` atomically (temporary file, then rename) and drop all but the newest ``keep``."""
+    """Write ``state`` atomically (to a temporary file, then rename).
+
+    Then drop all but the newest ``keep`` checkpoints.
+    """
     path = folder / f"step-{state['step']:06d}.pt"
     tmp = path.with_name(path.name + ".tmp")
     torch.save(state, tmp)

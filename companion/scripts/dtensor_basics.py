@@ -103,7 +103,7 @@ def first_host(nodelist: str) -> str:
 
 
 def read_topology() -> tuple[int, int, int]:
-    """Return ``rank, local_rank, world_size``, and make sure MASTER_ADDR and MASTER_PORT are set.
+    """Return ``rank, local_rank, world_size``; set MASTER_ADDR and MASTER_PORT if unset.
 
     From torchrun (RANK, LOCAL_RANK, WORLD_SIZE), else from srun (SLURM_PROCID,
     SLURM_LOCALID, SLURM_NTASKS; rank 0 runs on the first node of the step,

@@ -136,7 +136,7 @@ def first_host(nodelist: str) -> str:
 
 
 def read_topology() -> tuple[int, int, int]:
-    """Return ``rank, local_rank, world_size``, and make sure MASTER_ADDR and MASTER_PORT are set.
+    """Return ``rank, local_rank, world_size``; set MASTER_ADDR and MASTER_PORT if unset.
 
     From torchrun (RANK, LOCAL_RANK, WORLD_SIZE), else from srun (SLURM_PROCID,
     SLURM_LOCALID, SLURM_NTASKS; rank 0 runs on the first node of the step,
@@ -391,7 +391,7 @@ def make_optimizer(name: str, params, device: torch.device) -> torch.optim.Optim
 
 
 def wrap(method: str, model: nn.Module, mesh) -> nn.Module:
-    """Apply ``method``'s parallelism to ``model``; every API here changes ``model`` in place."""
+    """Apply ``method``'s parallelism to ``model``; all these APIs work in place."""
     if method == "DDP":
         return DDP(model)
     if method == "replicate (private)":
