@@ -32,6 +32,7 @@ from companion.timing import (
     Benchmark,
     Timing,
     benchmark,
+    benchmark_interleaved,
     format_ratio,
     format_table,
     format_time,

@@ -23,6 +23,7 @@ __all__ = [
     "Timing",
     "Benchmark",
     "benchmark",
+    "benchmark_interleaved",
     "format_ratio",
     "format_time",
     "format_table",
@@ -120,6 +121,41 @@ class Timing:
         )
 
 
+def _timed_blocks(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    label: str,
+    warmup: int,
+    repeats: int,
+    min_run_time: float,
+    threads: int,
+) -> Callable[[], float]:
+    """Warm ``fn`` up and return a function that times one block of calls.
+
+    A block holds as many calls as fit in ``min_run_time / repeats`` seconds
+    (at least one); the returned function gives its per-call time.
+    """
+    # Imported here: importing it logs a "No CUDA runtime" line on CPU-only
+    # machines, which setup_notebook() silences first.
+    from torch.utils import benchmark as torch_benchmark
+
+    for _ in range(warmup):
+        fn(*args, **kwargs)
+    synchronize()
+    timer = torch_benchmark.Timer(
+        stmt="fn(*args, **kwargs)",
+        globals={"fn": fn, "args": args, "kwargs": kwargs},
+        num_threads=threads,
+        label=label,
+    )
+    # The Timer synchronises the accelerator before reading the clock.
+    once = timer.timeit(1).median
+    number = max(1, int(min_run_time / max(repeats, 1) / max(once, 1e-9)))
+    return lambda: timer.timeit(number).median
+
+
 def benchmark(
     fn: Callable[..., Any],
     *args: Any,
@@ -145,25 +181,59 @@ def benchmark(
         min_run_time: seconds spent measuring, roughly; more time, less noise.
         num_threads: intra-op threads while timing (default: the current setting).
     """
-    # Imported here: importing it logs a "No CUDA runtime" line on CPU-only
-    # machines, which setup_notebook() silences first.
-    from torch.utils import benchmark as torch_benchmark
-
-    for _ in range(warmup):
-        fn(*args, **kwargs)
-    synchronize()
     threads = num_threads or torch.get_num_threads()
-    timer = torch_benchmark.Timer(
-        stmt="fn(*args, **kwargs)",
-        globals={"fn": fn, "args": args, "kwargs": kwargs},
-        num_threads=threads,
+    block = _timed_blocks(
+        fn,
+        args,
+        kwargs,
         label=label,
+        warmup=warmup,
+        repeats=repeats,
+        min_run_time=min_run_time,
+        threads=threads,
     )
-    # The Timer synchronises the accelerator before reading the clock.
-    once = timer.timeit(1).median
-    number = max(1, int(min_run_time / max(repeats, 1) / max(once, 1e-9)))
-    times = [timer.timeit(number).median for _ in range(max(repeats, 1))]
+    times = [block() for _ in range(max(repeats, 1))]
     return Timing.from_samples(label, times, threads=threads)
+
+
+def benchmark_interleaved(
+    fns: dict[str, Callable[[], Any]],
+    *,
+    warmup: int = 2,
+    repeats: int = 7,
+    min_run_time: float = 0.2,
+    num_threads: int | None = None,
+) -> dict[str, Timing]:
+    """Time several functions as ``benchmark`` does, taking turns block by block.
+
+    Every function gets its warm-up and about ``min_run_time`` seconds, but
+    block r of each is timed before block r + 1 of any. A machine that slows
+    down for a while (a busy neighbour on a shared host) then slows every
+    function alike, and comparisons between them stay fair. Returns one
+    ``Timing`` per key, labelled with the key.
+    """
+    threads = num_threads or torch.get_num_threads()
+    blocks = {
+        name: _timed_blocks(
+            fn,
+            (),
+            {},
+            label=name,
+            warmup=warmup,
+            repeats=repeats,
+            min_run_time=min_run_time,
+            threads=threads,
+        )
+        for name, fn in fns.items()
+    }
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(max(repeats, 1)):
+        for name, block in blocks.items():
+            times[name].append(block())
+    return {
+        name: Timing.from_samples(name, samples, threads=threads)
+        for name, samples in times.items()
+    }
 
 
 def format_table(

@@ -355,3 +355,26 @@ def test_format_table_of_one_row():
 def test_format_table_of_no_rows_is_the_title():
     assert format_table([], title="Nothing measured") == "Nothing measured"
     assert format_table([]) == ""
+
+
+def test_benchmark_interleaved_takes_turns_block_by_block(fake_timer):
+    # Each fake timer replies with the same list: one call takes 1 ms, so
+    # blocks of 0.03 s / 3 repeats hold 10 calls; the blocks take 1, 2, 3 ms.
+    fake_timer += [1e-3, 1e-3, 2e-3, 3e-3]
+    calls: list[str] = []
+    result = timing.benchmark_interleaved(
+        {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
+        warmup=1,
+        repeats=3,
+        min_run_time=0.03,
+        num_threads=2,
+    )
+    timer_a, timer_b = FakeTimer.instances
+    assert timer_a.numbers == timer_b.numbers == [1, 10, 10, 10]
+    # a warms up and sizes its blocks, then b; then the blocks take turns
+    assert calls[:4] == ["a", "a", "b", "b"]
+    assert calls[4:] == (["a"] * 10 + ["b"] * 10) * 3
+    assert list(result) == ["a", "b"]
+    assert (result["a"].label, result["a"].median, result["a"].runs) == ("a", 2e-3, 3)
+    assert (result["b"].label, result["b"].threads) == ("b", 2)
+    assert timer_a.num_threads == 2
