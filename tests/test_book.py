@@ -195,7 +195,9 @@ def run_cell_in(source: str, modules: dict) -> list[tuple[str, str]]:
     from IPython.core.inputtransformer2 import TransformerManager
 
     calls = []
-    shell = SimpleNamespace(run_line_magic=lambda name, line: calls.append((name, line)))
+    shell = SimpleNamespace(
+        run_line_magic=lambda name, line: calls.append((name, line))
+    )
     code = TransformerManager().transform_cell(source)
     saved = {name: sys.modules.get(name) for name in modules}
     sys.modules.update(modules)
