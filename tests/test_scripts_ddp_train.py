@@ -450,9 +450,9 @@ def test_resuming_with_changed_settings_is_refused(one_process, tmp_path):
         pytest.param("mp.spawn", marks=pytest.mark.slow),
     ],
 )
-def test_two_processes_match_one(launcher, one_process, two_processes, tmp_path):
-    if launcher == "torchrun":
-        results = two_processes
+def test_two_processes_match_one(launcher, one_process, request, tmp_path):
+    if launcher == "torchrun":  # the fixture, so that only the slow run starts it
+        results = request.getfixturevalue("two_processes")
     elif launcher == "srun":  # what srun sets for each of 2 tasks on one node
         tag, port = uuid.uuid4().hex, str(free_port())
         procs = [

@@ -17,10 +17,12 @@ step() {
 }
 
 # Heavy multi-process tests (marked slow) run in `make test-slow`; CI runs both.
-# The unit and script tests run two at a time (pytest-xdist); the notebooks
-# run alone afterwards, because their verdicts time code on an idle machine.
+# The unit and script tests run two at a time (pytest-xdist), a file at a time
+# per worker, so that a module's costly fixture starts its processes once. The
+# notebooks run alone afterwards, because their verdicts time code on an idle
+# machine.
 step "unit and script tests (pytest, 2 at a time)" \
-  $BIN/pytest tests -m "not slow" -n 2 --durations=10
+  $BIN/pytest tests -m "not slow" -n 2 --dist loadfile --durations=10
 step "notebooks (nbval, one at a time)" \
   $BIN/pytest notebooks --nbval --nbval-current-env \
   --nbval-sanitize-with tests/nbval_sanitize.cfg --durations=10
