@@ -1,7 +1,8 @@
 """Honest timing: warm-up, device synchronisation, repeats, median and spread.
 
-``benchmark`` wraps ``torch.utils.benchmark.Timer``, which synchronises the
-accelerator around each measurement and reports the median of many runs.
+``benchmark`` times blocks of calls the way ``torch.utils.benchmark.Timer``
+does (Python's ``timeit`` with a clock that synchronises the accelerator, a
+set number of intra-op threads) and reports the median over the blocks.
 ``Benchmark`` is a d2l-style context manager for one-off timings of a block.
 Every result carries the hardware it was measured on. Used in chapters 05 to 11.
 """
@@ -11,7 +12,9 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+import timeit
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,12 +124,28 @@ class Timing:
         )
 
 
+@contextmanager
+def _intra_op_threads(threads: int) -> Iterator[None]:
+    """Run the block with ``threads`` intra-op threads, then restore the setting."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _synchronized_clock() -> float:
+    """``time.perf_counter`` once the accelerator's queued work is done."""
+    synchronize()
+    return time.perf_counter()
+
+
 def _timed_blocks(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     *,
-    label: str,
     warmup: int,
     repeats: int,
     min_run_time: float,
@@ -135,25 +154,24 @@ def _timed_blocks(
     """Warm ``fn`` up and return a function that times one block of calls.
 
     A block holds as many calls as fit in ``min_run_time / repeats`` seconds
-    (at least one); the returned function gives its per-call time.
+    (at least one); the returned function gives its per-call time. Blocks are
+    timed with ``timeit`` and a clock that synchronises the accelerator, as in
+    ``torch.utils.benchmark.Timer``, whose ``timeit`` would also run two
+    warm-up calls before every block: three times the cost of a block of one
+    long call.
     """
-    # Imported here: importing it logs a "No CUDA runtime" line on CPU-only
-    # machines, which setup_notebook() silences first.
-    from torch.utils import benchmark as torch_benchmark
+    timer = timeit.Timer(lambda: fn(*args, **kwargs), timer=_synchronized_clock)
 
-    for _ in range(warmup):
-        fn(*args, **kwargs)
-    synchronize()
-    timer = torch_benchmark.Timer(
-        stmt="fn(*args, **kwargs)",
-        globals={"fn": fn, "args": args, "kwargs": kwargs},
-        num_threads=threads,
-        label=label,
-    )
-    # The Timer synchronises the accelerator before reading the clock.
-    once = timer.timeit(1).median
+    def per_call(number: int) -> float:
+        with _intra_op_threads(threads):
+            return timer.timeit(number) / number
+
+    with _intra_op_threads(threads):
+        for _ in range(warmup):
+            fn(*args, **kwargs)
+    once = per_call(1)
     number = max(1, int(min_run_time / max(repeats, 1) / max(once, 1e-9)))
-    return lambda: timer.timeit(number).median
+    return lambda: per_call(number)
 
 
 def benchmark(
@@ -186,7 +204,6 @@ def benchmark(
         fn,
         args,
         kwargs,
-        label=label,
         warmup=warmup,
         repeats=repeats,
         min_run_time=min_run_time,
@@ -218,7 +235,6 @@ def benchmark_interleaved(
             fn,
             (),
             {},
-            label=name,
             warmup=warmup,
             repeats=repeats,
             min_run_time=min_run_time,

@@ -6,7 +6,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.utils.benchmark
 
 from companion import timing
 from companion.timing import Benchmark, Timing, benchmark, format_table, format_time
@@ -56,31 +55,31 @@ def test_timings_add_up_as_calls_made_one_after_the_other():
 
 
 class FakeTimer:
-    """Stands in for torch.utils.benchmark.Timer: returns the medians it is given.
+    """Stands in for ``timeit.Timer``: reports the per-call medians it is given.
 
-    It still calls the timed function ``number`` times per ``timeit``, and it
-    records how many calls had been made before the first measurement.
+    Like ``timeit``, each ``timeit(number)`` reads the clock (which
+    synchronises), makes ``number`` calls and reads the clock again; it
+    records ``number`` and the intra-op threads it ran with.
     """
 
     instances: list["FakeTimer"] = []
 
-    def __init__(self, medians, stmt, globals, num_threads, label):
+    def __init__(self, medians, stmt, timer):
         self.medians = iter(medians)
-        self.globals = globals
-        self.num_threads = num_threads
+        self.stmt = stmt
+        self.timer = timer
         self.numbers: list[int] = []
-        self.calls_before_timing: int | None = None
+        self.threads: set[int] = set()
         FakeTimer.instances.append(self)
 
     def timeit(self, number):
-        g = self.globals
-        if self.calls_before_timing is None:
-            # the tests time list.append: the list holds one item per call
-            self.calls_before_timing = len(getattr(g["fn"], "__self__", ()))
+        self.timer()
         self.numbers.append(number)
+        self.threads.add(torch.get_num_threads())
         for _ in range(number):
-            g["fn"](*g["args"], **g["kwargs"])
-        return SimpleNamespace(median=next(self.medians))
+            self.stmt()
+        self.timer()
+        return next(self.medians) * number
 
 
 @pytest.fixture
@@ -89,7 +88,7 @@ def fake_timer(monkeypatch):
     medians: list[float] = []
     FakeTimer.instances = []
     monkeypatch.setattr(
-        torch.utils.benchmark, "Timer", lambda **kw: FakeTimer(medians, **kw)
+        timing.timeit, "Timer", lambda stmt, timer: FakeTimer(medians, stmt, timer)
     )
     return medians
 
@@ -102,14 +101,13 @@ def test_benchmark_warms_up_before_timing(fake_timer, monkeypatch):
     fake_timer += [1e-3] * 8
     calls: list[int] = []
     benchmark(calls.append, 1, warmup=3, repeats=7, min_run_time=0.01)
-    (timer,) = FakeTimer.instances
-    assert timer.calls_before_timing == 3  # exactly the warm-up calls, then the clock
-    assert events[0] == ("sync", 3)  # queued warm-up work is finished before timing
-    FakeTimer.instances = []
+    # exactly the warm-up calls, then the clock, which first finishes queued work
+    assert events[0] == ("sync", 3)
+    events.clear()
     calls.clear()
     fake_timer += [1e-3] * 8
     benchmark(calls.append, 1, warmup=0, repeats=7, min_run_time=0.01)
-    assert FakeTimer.instances[0].calls_before_timing == 0
+    assert events[0] == ("sync", 0)
 
 
 def test_benchmark_median_and_iqr_of_the_blocks(fake_timer):
@@ -126,7 +124,7 @@ def test_benchmark_median_and_iqr_of_the_blocks(fake_timer):
     assert result.median == pytest.approx(0.0025)  # between 2 and 3 ms
     # Quartiles of 1, 2, 3, 4 ms (exclusive method): 1.25 and 3.75 ms.
     assert result.iqr == pytest.approx(0.0025)
-    assert timer.num_threads == torch.get_num_threads()
+    assert timer.threads == {torch.get_num_threads()}
 
 
 def test_benchmark_passes_the_threads_on(fake_timer):
@@ -147,7 +145,7 @@ def test_benchmark_one_block_and_slow_calls(fake_timer):
     )
     (timer,) = FakeTimer.instances
     assert timer.numbers == [1, 1]
-    assert timer.num_threads == 3
+    assert timer.threads == {3}
     assert (result.median, result.iqr, result.runs) == (7.0, 0.0, 1)
 
 
@@ -208,6 +206,20 @@ def test_benchmark_measures_a_known_duration():
     assert 0.009 < result.median < 0.05  # sleep(10 ms) cannot take less than 10 ms
     assert result.runs == 7
     assert "cores" in result.hardware
+
+
+def test_benchmark_of_a_long_call_makes_no_calls_beyond_its_blocks():
+    # With torch.utils.benchmark.Timer.timeit, each block of one 20 ms call
+    # would run two more warm-up calls first: 1 + 3 * (1 + 3) + 3 = 16 calls.
+    calls: list[int] = []
+
+    def slow() -> None:
+        time.sleep(0.02)
+        calls.append(1)
+
+    result = benchmark(slow, warmup=1, repeats=3, min_run_time=0.01)
+    assert len(calls) == 1 + 1 + 3  # warm-up, sizing the blocks, 3 blocks of 1 call
+    assert result.runs == 3 and result.median >= 0.02
 
 
 def test_benchmark_tells_small_from_large_work():
@@ -377,4 +389,4 @@ def test_benchmark_interleaved_takes_turns_block_by_block(fake_timer):
     assert list(result) == ["a", "b"]
     assert (result["a"].label, result["a"].median, result["a"].runs) == ("a", 2e-3, 3)
     assert (result["b"].label, result["b"].threads) == ("b", 2)
-    assert timer_a.num_threads == 2
+    assert timer_a.threads == {2}
