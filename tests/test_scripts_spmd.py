@@ -240,6 +240,7 @@ def test_convnext_width_sharded_matches_unsharded_and_naive_is_caught() -> None:
     )  # the loud one, at the residual add
 
 
+@pytest.mark.slow  # about 20 s of DTensor backward passes on 2 processes
 def test_convnext_batch_sharded_matches_unsharded() -> None:
     out = launch(
         "convnext_sharded.py",
