@@ -123,3 +123,19 @@ def test_no_chromium_is_one_line_and_exit_code_2(monkeypatch, tmp_path, capsys):
 def test_no_built_book_is_one_line(tmp_path, capsys):
     assert bc.main([str(tmp_path)]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+@needs_chromium
+def test_screenshots_are_saved_unless_switched_off(tmp_path, capsys):
+    build = tmp_path / "html"
+    (build / "notebooks").mkdir(parents=True)
+    (build / "index.html").write_text(page(GOOD))
+    (build / "notebooks" / "01_x.html").write_text(page("<p>A chapter.</p>"))
+    assert bc.main([str(build), "--no-screenshots"]) == 0
+    assert capsys.readouterr().out.endswith("0 problem(s); no screenshots\n")
+    assert not (tmp_path / "screenshots").exists()
+    assert bc.main([str(build)]) == 0
+    assert sorted(p.name for p in (tmp_path / "screenshots").iterdir()) == [
+        "01_x-desktop.png",
+        "01_x-phone.png",
+    ]

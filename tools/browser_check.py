@@ -1,6 +1,6 @@
 """Check the built book the way a reader sees it: every page in headless Chromium.
 
-    python tools/browser_check.py [BUILD_DIR] [--screenshots DIR]
+    python tools/browser_check.py [BUILD_DIR] [--screenshots DIR | --no-screenshots]
 
 BUILD_DIR is the built HTML (default ``_build/html``). Every page is opened at
 1400 px with the network switched off, and each of these is a problem:
@@ -18,7 +18,8 @@ BUILD_DIR is the built HTML (default ``_build/html``). Every page is opened at
   ``repository.url`` (or any such button when the address is unset).
 
 A screenshot of the top of each chapter at a phone width (390 px) and a desktop
-width (1400 px) is saved under DIR (default ``BUILD_DIR/../screenshots``).
+width (1400 px) is saved under DIR (default ``BUILD_DIR/../screenshots``);
+``make test`` skips them (``--no-screenshots``), ``make test-browser`` keeps them.
 
 Exit codes: 0 no problem; 1 problems, listed page by page; 2 Chromium or its
 driver is missing (one line says how to install them).
@@ -232,6 +233,11 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         help="where to save screenshots (default: next to BUILD)",
     )
+    parser.add_argument(
+        "--no-screenshots",
+        action="store_true",
+        help="check the pages only (make test: the screenshots are for people)",
+    )
     args = parser.parse_args(argv)
     if not (args.build / "index.html").is_file():
         print(
@@ -244,9 +250,11 @@ def main(argv: list[str] | None = None) -> int:
         print(INSTALL_HINT, file=sys.stderr)
         return 2
     report = check_book(args.build, repository_url(), paths)
-    chapters = sorted((args.build / "notebooks").glob("*.html"))
-    shots = args.screenshots or args.build.parent / "screenshots"
-    save_screenshots(paths, chapters, shots)
+    shots = None
+    if not args.no_screenshots:
+        shots = args.screenshots or args.build.parent / "screenshots"
+        chapters = sorted((args.build / "notebooks").glob("*.html"))
+        save_screenshots(paths, chapters, shots)
     bad = {page: problems for page, problems in report.items() if problems}
     for page, problems in bad.items():
         print(f"{page}: {len(problems)} problem(s)")
@@ -254,8 +262,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {rule}: {detail}")
     total = sum(len(p) for p in bad.values())
     print(
-        f"browser check: {len(report)} pages, {total} problem(s); screenshots in "
-        f"{shots}"
+        f"browser check: {len(report)} pages, {total} problem(s); "
+        + (f"screenshots in {shots}" if shots else "no screenshots")
     )
     return 1 if bad else 0
 

@@ -32,7 +32,7 @@ step "book build (-W -n --keep-going)" \
 # The built book in headless Chromium (tools/browser_check.py). Without Chromium
 # say so in one line; CI (CI=1) installs it, and there its absence is a failure.
 if $BIN/python -c "import sys; sys.path.insert(0, 'tools'); import browser_check as b; sys.exit(not b.chromium_paths())"; then
-  step "browser check (headless Chromium)" $BIN/python tools/browser_check.py
+  step "browser check (headless Chromium)" $BIN/python tools/browser_check.py --no-screenshots
 elif [ -n "${CI:-}" ]; then
   echo "CI: Chromium and chromedriver are missing, so the browser check cannot run"
   status=1
