@@ -33,15 +33,15 @@ from companion.timing import Timing, format_ratio
 
 __all__ = [
     "NOISE_FLOOR",
-    "Verdict",
     "SpeedComparison",
+    "Verdict",
     "check",
     "check_close",
-    "check_range",
-    "compare_speed",
     "check_faster",
     "check_not_faster",
+    "check_range",
     "check_speed_ups_at_most",
+    "compare_speed",
 ]
 
 # Relative noise assumed even when a run's repeats agree closely: the spread
@@ -80,7 +80,7 @@ def _flatten(values: object) -> torch.Tensor:
         return values.detach().to("cpu", torch.float64).flatten()
     if isinstance(values, (int, float)):
         return torch.tensor([float(values)], dtype=torch.float64)
-    if isinstance(values, Iterable):
+    if isinstance(values, Iterable) and not isinstance(values, (str, bytes)):
         parts = [_flatten(v) for v in values]
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
     raise TypeError(

@@ -92,8 +92,8 @@ EXAMPLES = {
         ),
         (
             "halo: activations saved for backward 0.59 MiB per process (unsharded: "
-            "2.30 "
-            "MiB)"
+            "2.30 MiB)\n"
+            "step  200: loss 0.398"  # another chapter's training loss stays compared
         ),
     ),
     "table-rules": (

@@ -12,8 +12,8 @@ from companion.verdicts import (
     check_close,
     check_faster,
     check_not_faster,
-    check_speed_ups_at_most,
     check_range,
+    check_speed_ups_at_most,
     compare_speed,
 )
 
@@ -30,6 +30,7 @@ def test_printed_form_separates_claim_from_measurement():
         str(check("x is even", False, "x = 3")) == "✗ x is even: NO  [measured x = 3]"
     )
     assert str(check("no evidence", True)) == "✓ no evidence: yes"
+    assert repr(check("x is even", True)) == "✓ x is even: yes"  # as the REPL shows it
     assert bool(check("c", True)) and not bool(check("c", False))
 
 
@@ -165,3 +166,89 @@ def test_format_table_names_the_threads_the_timings_used():
     assert format_table([{"what": "a", "time": "1 ms"}], threads=1).endswith(
         ", 1 thread"
     )
+
+
+# Edges and exact texts: each test below fails on a mutant that survived a
+# mutmut run (a strict comparison for a non-strict one, a changed default, a
+# dropped or rewritten message or measurement).
+
+
+def test_check_close_at_the_tolerance_and_with_both_tolerances():
+    assert check_close("edge", 1.5, 1.0, atol=0.5).holds  # difference == allowed
+    both = check_close("both", 1.0, 1.0, atol=1e-5, rtol=1e-3)
+    assert both.claim == "both (within 1e-05 + 1e-03 x |expected|)"
+
+
+def test_check_close_of_nothing_and_of_different_lengths():
+    empty = check_close("empty", [], [], atol=1)
+    assert empty.holds and empty.evidence == "max |difference| 0.0e+00"
+    short = check_close("shape", [], [0.0], atol=1)
+    assert (short.claim, short.holds, short.evidence) == (
+        "shape",
+        False,
+        "0 values vs 1 expected",
+    )
+
+
+def test_check_close_refuses_what_it_cannot_compare():
+    for values, name in (("1.0", "str"), (None, "NoneType")):
+        with pytest.raises(TypeError, match=rf"^Cannot compare a {name}; give"):
+            check_close("x", values, 1.0, atol=1)
+    with pytest.raises(ValueError, match=r"^Give a positive atol or rtol: an exact"):
+        check_close("x", 1.0, 1.0, atol=-1.0, rtol=1e-3)
+
+
+def test_check_range_at_its_bounds_and_its_exact_texts():
+    at_low = check_range("x", 0.85, low=0.85)
+    assert at_low.holds and at_low.evidence == "0.85"
+    assert check_range("x", 1.0, low=1, high=1).holds  # equal bounds are a point
+    assert check_range("x", 1e-5, high=1).evidence == "1e-05"
+    with pytest.raises(ValueError, match=r"^Give low, high or both\.$"):
+        check_range("x", 1.0)
+    with pytest.raises(ValueError, match=r"^low \(2\) is above high \(1\)\.$"):
+        check_range("x", 1.0, low=2, high=1)
+
+
+def test_compare_speed_at_the_edges_of_the_noise_band():
+    # Noise 0.25 from the IQR; 1.25 and 1 / 1.25 are exact in binary.
+    edge = compare_speed(timing(1.0, 0.25), timing(1.25))
+    assert (edge.noise, edge.outcome) == (0.25, "no measurable difference")
+    assert compare_speed(timing(1.25), timing(1.0, 0.25)).outcome == (
+        "no measurable difference"
+    )
+    assert compare_speed(timing(2.0, 0.5), timing(4.0)).noise == 0.25  # IQR / median
+    for fast, slow in ((0.0, 1.0), (1.0, 0.0)):
+        with pytest.raises(ValueError, match=r"^Timings must be positive\.$"):
+            compare_speed(timing(fast), timing(slow))
+
+
+def test_check_faster_default_edge_and_texts():
+    plain = check_faster("f", timing(1.0), timing(1.5))  # any speed-up above noise
+    assert (plain.claim, plain.holds, plain.evidence) == (
+        "f",
+        True,
+        "1.50×, noise ±5%",
+    )
+    assert check_faster(
+        "f", timing(1.0, 0.25), timing(2.5), at_least=2
+    ).holds  # 2.5/1.25
+    with pytest.raises(ValueError, match=r"^at_least is a speed-up, 1 or more, not"):
+        check_faster("f", timing(1.0), timing(2.0), at_least=0.5)
+
+
+def test_check_not_faster_keeps_claim_and_evidence():
+    v = check_not_faster("n", timing(1.0), timing(1.5))
+    assert (v.claim, v.holds, v.evidence) == ("n", False, "1.50×, noise ±5%")
+
+
+def test_check_speed_ups_at_most_picks_the_closest_after_the_noise():
+    # A: 1.5x with 5 % noise (1.43 after it); B: 2x with 50 % noise (1.33 after it).
+    a, b = timing(2.0), timing(1.5, 0.75)
+    v = check_speed_ups_at_most("s", [b, a], timing(3.0), at_most=1.45)
+    assert v.evidence == "largest 1.50×, noise ±5%"
+    assert check_speed_ups_at_most(
+        "s", [timing(1.0, 0.25)], timing(2.5), at_most=2
+    ).holds  # exactly at the bound
+    assert check_speed_ups_at_most("s", [timing(1.0)], timing(1.0), at_most=1).holds
+    with pytest.raises(ValueError, match=r"^No candidate timings to compare\.$"):
+        check_speed_ups_at_most("s", [], timing(1.0), at_most=2)

@@ -9,9 +9,10 @@ does and sorts the cell into one kind:
 - verdict: prints at least one verdict (a line starting with ✓ or ✗);
 - checked: no verdict, but text with digits left after masking (shapes, exact
   integers, tables of computed values) or text only (messages);
-- masked: it printed numbers and the sanitiser masked every one of them
-  except constants that stand in its source (a size, a title), with no
-  verdict beside them: nbval cannot fail on what it computed;
+- masked: the sanitiser replaced some of its output with a placeholder and
+  left no number except constants that stand in its source (a size, a
+  title), with no verdict beside them: nbval cannot fail on what it computed
+  (tidying alone, such as dropping trailing spaces, masks nothing);
 - figure: only a figure (nbval does not compare images);
 - no output.
 """
@@ -63,7 +64,7 @@ def kind(cell: dict, subs: list[tuple[re.Pattern[str], str]]) -> str:
     number = re.compile(r"\d+(?:\.\d+)?")
     left = set(number.findall(PLACEHOLDER.sub("", masked)))
     constants = set(number.findall("".join(cell["source"])))
-    if masked != text and left <= constants:
+    if PLACEHOLDER.search(masked) and left <= constants:
         return "masked"
     return "checked"
 
