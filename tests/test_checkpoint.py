@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from companion.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from companion.checkpoint import (
+    CheckpointError,
+    _first_line,
+    load_checkpoint,
+    save_checkpoint,
+)
 from companion.notebook import CourseError
 
 
@@ -91,7 +97,10 @@ def test_corrupt_file_gives_one_sentence_and_is_left_alone(
     with pytest.raises(CheckpointError) as info:
         load_checkpoint(path, make_model())
     message = str(info.value)
-    assert "truncated or corrupt" in message and str(path) in message
+    assert message == (
+        f"{path} is truncated or corrupt and was not loaded (the file is left as it "
+        "is); load an earlier checkpoint or train again."
+    )
     assert "\n" not in message
     assert info.value.__cause__ is None and info.value.__suppress_context__
     assert path.read_bytes() == damaged
@@ -120,7 +129,10 @@ def test_code_in_the_file_is_refused_not_run(tmp_path: Path) -> None:
 
 def test_wrong_architecture_is_one_sentence(tmp_path: Path) -> None:
     path = save_checkpoint(tmp_path / "ckpt.pt", make_model())
-    with pytest.raises(CheckpointError, match="does not fit this model") as info:
+    with pytest.raises(
+        CheckpointError,
+        match=r"does not fit this model or optimizer \(Missing key\(s\) in state_dict",
+    ) as info:
         load_checkpoint(path, nn.Linear(3, 2))
     assert "\n" not in str(info.value)
 
@@ -138,3 +150,54 @@ def test_map_location_moves_tensors(tmp_path: Path) -> None:
     path = save_checkpoint(tmp_path / "ckpt.pt", make_model())
     state = load_checkpoint(path, map_location="meta")
     assert all(t.device.type == "meta" for t in state["model"].values())
+
+
+def test_messages_name_the_cause_in_its_first_informative_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(obj, f) -> None:
+        raise RuntimeError("Cannot save:\n  disk quota exceeded.\n  (errno 122)")
+
+    monkeypatch.setattr(torch, "save", refuse)
+    with pytest.raises(CheckpointError) as info:
+        save_checkpoint(tmp_path / "ckpt.pt", make_model())
+    assert str(info.value) == (
+        f"Could not write the checkpoint {tmp_path / 'ckpt.pt'} (RuntimeError: disk "
+        "quota exceeded); any previous checkpoint there is unchanged."
+    )
+
+
+@pytest.mark.parametrize(
+    ("message", "shown"),
+    [
+        (
+            "Error(s) in loading:\n\tsize mismatch for 0.weight.",
+            "size mismatch for 0.weight",
+        ),
+        ("one line only:", "one line only:"),  # a lone header is all there is
+        ("first.\nsecond", "first"),
+        ("..first.", "..first"),  # only trailing dots go
+        ("", "no details"),
+    ],
+)
+def test_first_line(message: str, shown: str) -> None:
+    assert _first_line(RuntimeError(message)) == shown
+
+
+def test_the_temporary_file_sits_beside_the_checkpoint_in_new_folders(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "runs" / "a" / "ckpt.pt"  # folders that do not exist yet
+    seen = []
+    real_replace = os.replace
+
+    def watch(src, dst) -> None:  # the rename that completes the write
+        seen.append(Path(src))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", watch)
+    save_checkpoint(path, make_model())
+    (tmp,) = seen
+    assert tmp.parent == path.parent
+    assert tmp.name.startswith(".ckpt.pt.") and tmp.name.endswith(".tmp")
+    assert [p.name for p in path.parent.iterdir()] == ["ckpt.pt"]

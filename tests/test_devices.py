@@ -138,3 +138,34 @@ def test_try_all_gpus_on_one_gpu_gives_replicas_of_it(monkeypatch):
     monkeypatch.setattr(devices, "num_gpus", lambda: 1)
     assert try_all_gpus(2) == [torch.device("cuda:0"), torch.device("cuda:0")]
     assert try_all_gpus() == [torch.device("cuda:0")]
+
+
+def test_cpu_name_reads_the_model_name_line(monkeypatch, tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(
+        "processor\t: 0\nvendor_id\t: AuthenticAMD\n"
+        "model name\t: AMD EPYC 7B13 64-Core Processor: rev 2\nflags\t\t: fpu\n",
+        encoding="utf-8",
+    )
+    real_open = open
+
+    def fake_open(path, *args, **kwargs):
+        if path == "/proc/cpuinfo":
+            return real_open(cpuinfo, *args, **kwargs)
+        raise AssertionError(f"cpu_name opened {path}")
+
+    monkeypatch.setattr("builtins.open", fake_open)
+    # everything after the first colon, even a colon in the name itself
+    assert devices.cpu_name() == "AMD EPYC 7B13 64-Core Processor: rev 2"
+
+
+def test_cpu_name_without_proc_falls_back_to_the_platform(monkeypatch):
+    def no_proc(path, *args, **kwargs):
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr("builtins.open", no_proc)
+    monkeypatch.setattr(devices.platform, "processor", lambda: "")
+    monkeypatch.setattr(devices.platform, "machine", lambda: "arm64")
+    assert devices.cpu_name() == "arm64"
+    monkeypatch.setattr(devices.platform, "processor", lambda: "i386")
+    assert devices.cpu_name() == "i386"

@@ -20,13 +20,16 @@ from companion.ensemble import (
     format_speed_table,
     init_ensemble,
     make_train_step,
+    plot_probability_map,
     predict_grid,
     sample_subsets,
+    speed_verdicts,
     stack,
     train_loop,
     train_vmap,
     unstack,
 )
+from companion.timing import Timing
 
 # vmap and the loop run the same float32 arithmetic; batched kernels may sum
 # in another order, so after TOLERANCE_STEPS steps we allow this much.
@@ -226,3 +229,102 @@ def test_benchmark_script_rejects_bad_input():
     assert result.stderr.strip().splitlines() == [
         "--models and --threads need positive numbers, --min-run-time a positive time."
     ]
+
+
+def test_speed_verdicts_judge_only_the_large_ensembles() -> None:
+    def row(models: int, compiled: float) -> dict:
+        return {
+            "models": models,
+            "compiled": Timing("c", compiled, 0.0, 7, "hw", 1),
+            "module loop": Timing("l", 1.0, 0.0, 7, "hw", 1),
+        }
+
+    verdicts = speed_verdicts([row(8, 0.5), row(32, 0.1), row(64, 0.25)])
+    assert [str(v) for v in verdicts] == [
+        (
+            "✓ 32 models: compiled vmap is faster than the module loop (at least 5x): "
+            "yes  [measured 10.00×, noise ±5%]"
+        ),
+        (
+            "✗ 64 models: compiled vmap is faster than the module loop (at least 5x): "
+            "NO  [measured 4.00×, noise ±5%]"
+        ),
+    ]
+    small = speed_verdicts([row(8, 0.5)], target=1.5, from_models=8)
+    assert [v.holds for v in small] == [True]  # 2x, at least 1.5x after the noise
+    assert speed_verdicts([row(31, 0.1)]) == []
+
+
+def test_plot_probability_map_draws_values_and_labelled_points() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    _, ax = plt.subplots()
+    values = torch.tensor([[0.25, 0.5], [0.5, 0.75]])  # rows are y
+    points = torch.tensor([[0.0, 0.1], [1.0, -1.0], [0.5, 0.25]])
+    labels = torch.tensor([0, 1, 1])
+    image = plot_probability_map(
+        ax, values, (-1.0, 1.0, -2.0, 2.0), points, labels, title="member 1"
+    )
+    assert image.get_array().tolist() == values.tolist()
+    assert (image.origin, image.get_extent()) == ("lower", [-1.0, 1.0, -2.0, 2.0])
+    assert (image.norm.vmin, image.norm.vmax, image.cmap.name) == (0.0, 1.0, "RdBu_r")
+    assert ax.get_aspect() == 1.0
+    class0, class1 = ax.collections
+    assert class0.get_offsets().tolist()[0] == pytest.approx([0.0, 0.1])
+    assert class1.get_offsets().tolist() == [[1.0, -1.0], [0.5, 0.25]]
+    assert [
+        matplotlib.colors.to_hex(c.get_facecolor()[0]) for c in (class0, class1)
+    ] == [
+        "#9ecae1",
+        "#fc9272",
+    ]
+    assert class0.get_sizes().tolist() == [9.0]
+    assert list(ax.get_xticks()) == list(ax.get_yticks()) == []
+    assert (ax.get_title(), ax.title.get_fontsize()) == ("member 1", 9.0)
+    _, bare = plt.subplots()
+    plain = plot_probability_map(
+        bare, values, (0, 1, 0, 1), points, vmax=0.5, cmap="viridis"
+    )  # points without labels: no dots
+    assert (plain.norm.vmax, plain.cmap.name, len(bare.collections)) == (
+        0.5,
+        "viridis",
+        0,
+    )
+    assert bare.get_title() == ""
+    plt.close("all")
+
+
+def test_speed_table_of_known_timings() -> None:
+    def t(seconds: float) -> Timing:
+        return Timing("t", seconds, 0.0, 7, "hw", 1)
+
+    row = {
+        "models": 8,
+        "module loop": t(0.012),
+        "loop": t(0.006),
+        "vmap": t(0.004),
+        "compiled": t(0.0005),
+        "compile": 2.5,
+    }
+    lines = format_speed_table([row]).splitlines()
+    assert lines[0] == "Time per training step (median); speed-ups over the module loop"
+    assert lines[1].split() == ["module", "functional", "eager", "compiled", "vmap"] + [
+        "compiled",
+        "compile",
+    ]
+    assert lines[2].split() == ["models", "loop", "loop", "vmap", "vmap"] + [
+        "speed-up",
+        "speed-up",
+        "time",
+    ]
+    assert lines[4].split() == "8 12 ms 6 ms 4 ms 500 us 3.0× 24.0× 2.5 s".split()
+
+
+def test_subset_sizes_from_one_to_all_points() -> None:
+    assert sample_subsets(2, 5, 1).shape == (2, 1)
+    assert sorted(sample_subsets(1, 5, 5)[0].tolist()) == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="subset_size"):
+        sample_subsets(2, 5, 0)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import pickle
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from companion.loaders import JpegImageDataset, measure_loading_cpu
+from companion.loaders import JpegImageDataset, _cpu_seconds, measure_loading_cpu
 
 
 def make_dataset(n: int = 12, channels: int = 1) -> JpegImageDataset:
@@ -81,3 +82,16 @@ def test_measure_loading_cpu_finds_the_workers(num_workers: int) -> None:
         assert sum(cpu.workers) > cpu.main  # workers decode; the main process receives
     else:
         assert cpu.main > 0
+
+
+def test_cpu_seconds_are_user_plus_system_time() -> None:
+    process = SimpleNamespace(cpu_times=lambda: SimpleNamespace(user=1.5, system=0.25))
+    assert _cpu_seconds(process) == 1.75
+
+
+def test_each_item_decodes_its_own_image() -> None:
+    # black, white, mid-grey: after any crop and flip each stays one colour
+    images = torch.tensor([0.0, 1.0, 0.5]).view(3, 1, 1, 1).expand(3, 1, 28, 28)
+    ds = JpegImageDataset(images, torch.arange(3), stored_size=48, crop_size=32)
+    means = [ds[i][0].mean().item() for i in range(3)]
+    assert means == pytest.approx([0.0, 1.0, 0.5], abs=0.02)

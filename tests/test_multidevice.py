@@ -126,3 +126,63 @@ def test_without_allreduce_replicas_drift_apart() -> None:
         X, y, many, [CPU, CPU], lr=0.5, allreduce=lambda grads: [0] * len(grads)
     )
     assert max((p - q).abs().max().item() for p, q in zip(many[0], one[0])) > 1e-6
+
+
+def test_lenet_is_the_textbook_network() -> None:
+    # The same network from torch.nn modules, with the same (nonzero) biases.
+    g = torch.Generator().manual_seed(0)
+    params = [p + 0.1 * torch.randn(p.shape, generator=g) for p in init_lenet_params()]
+    W1, b1, W2, b2, W3, b3, W4, b4 = params
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 20, 3), torch.nn.ReLU(), torch.nn.AvgPool2d(2),
+        torch.nn.Conv2d(20, 50, 5), torch.nn.ReLU(), torch.nn.AvgPool2d(2),
+        torch.nn.Flatten(), torch.nn.Linear(800, 128), torch.nn.ReLU(),
+        torch.nn.Linear(128, 10),
+    )  # fmt: skip
+    with torch.no_grad():
+        for layer, (w, b) in zip(
+            [net[0], net[3], net[7], net[9]],
+            [(W1, b1), (W2, b2), (W3.T, b3), (W4.T, b4)],
+        ):
+            layer.weight.copy_(w)
+            layer.bias.copy_(b)
+    X = torch.randn(3, 1, 28, 28, generator=g)
+    torch.testing.assert_close(lenet(X, params), net(X))
+
+
+def test_weights_are_scaled_by_their_fan_in() -> None:
+    params = init_lenet_params(generator=torch.Generator().manual_seed(0))
+    for w, fan_in in zip(params[::2], (1 * 3 * 3, 20 * 5 * 5, 800, 128)):
+        assert w.std().item() == pytest.approx((2 / fan_in) ** 0.5, rel=0.1)
+    assert all(torch.equal(b, torch.zeros_like(b)) for b in params[1::2])
+
+
+def test_train_batch_returns_the_mean_loss_before_the_step() -> None:
+    params = init_lenet_params(generator=torch.Generator().manual_seed(0))
+    X, y = torch.randn(6, 1, 28, 28), torch.arange(6)
+    expected = torch.nn.functional.cross_entropy(lenet(X, params), y).item()
+    replicas = [get_params(params, CPU) for _ in range(2)]
+    loss = train_batch(X, y, replicas, [CPU, CPU], lr=0.1)
+    assert loss == pytest.approx(expected, rel=1e-6)
+    with pytest.raises(ValueError, match=r"^6 inputs but 5 labels\.$"):
+        split_batch(X, y[:5], [CPU])
+
+
+def test_initial_weights_follow_their_generator_alone() -> None:
+    torch.manual_seed(1)
+    first = init_lenet_params(generator=torch.Generator().manual_seed(3))
+    torch.manual_seed(2)
+    again = init_lenet_params(generator=torch.Generator().manual_seed(3))
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+def test_one_example_per_device_and_the_refusals() -> None:
+    X, y = torch.randn(2, 1, 28, 28), torch.tensor([3, 4])
+    X_shards, y_shards = split_batch(X, y, [CPU, CPU])  # exactly one each
+    assert [s.shape[0] for s in X_shards] == [1, 1] and y_shards[1].tolist() == [4]
+    with pytest.raises(
+        ValueError, match=r"^A batch of 2 cannot be split across 3 devices\.$"
+    ):
+        split_batch(X, y, [CPU, CPU, CPU])
+    with pytest.raises(ValueError, match=r"^allreduce needs at least one tensor\.$"):
+        allreduce_naive([])

@@ -35,3 +35,22 @@ def test_shared_x_log_scale_and_given_axes():
 def test_new_axes_side_by_side():
     axes = new_axes(3)
     assert len(axes) == 3 and len({id(a.figure) for a in axes}) == 1
+
+
+def test_new_axes_size_and_layout():
+    axes = new_axes(2, width=3.0, height=2.0)
+    figure = axes[0].figure
+    assert list(figure.get_size_inches()) == [6.0, 2.0]  # width per column
+    assert figure.get_layout_engine().__class__.__name__ == "ConstrainedLayoutEngine"
+    assert axes[0].get_subplotspec().get_gridspec().get_geometry() == (1, 2)
+    (one,) = new_axes()
+    assert list(one.figure.get_size_inches()) == [4.5, 3.2]
+
+
+def test_plot_history_defaults_and_markers():
+    ax = plot_history({"short": [1.0] * 20, "long": [1.0] * 21})
+    assert (ax.get_xlabel(), ax.get_ylabel(), ax.get_title()) == ("epoch", "", "")
+    assert ax.get_yscale() == "linear"
+    short, long = ax.get_lines()
+    assert (short.get_marker(), long.get_marker()) == ("o", "None")  # dots up to 20
+    assert ax.xaxis.get_gridlines()[0].get_alpha() == 0.3

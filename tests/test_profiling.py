@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 
 import matplotlib
@@ -137,3 +138,94 @@ def test_plot_timeline_one_row_per_thread():
     ]
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["a", "b", "k"]
     assert len(ax.collections) == 4  # one bar group per (name, row)
+
+
+# Edges and exact texts: each test below fails on a mutant that survived a
+# mutmut run of companion.profiling.
+
+
+def test_gpu_events_without_device_or_stream_and_events_without_duration(tmp_path):
+    copy = {"ph": "X", "name": "copy", "cat": "gpu_memcpy", "ts": 0.0}
+    path = write_trace(
+        tmp_path / "t.json",
+        [
+            copy | {"dur": 2000.0, "pid": 1, "tid": 3},  # no "args" at all
+            event("gemm", "kernel", 500.0, 1000.0, pid=4, tid=5),  # empty args
+            event("fill", "kernel", 600.0, 10.0, pid=4, tid=5, device=1, stream=9),
+            {"ph": "X", "name": "mark", "cat": "user_annotation", "ts": 1000.0}
+            | {"pid": 100, "tid": 7},  # no "dur": a zero-length bar
+        ],
+    )
+    assert trace_intervals(path) == [
+        Interval("cuda:1 stream 3", "copy", 0.0, 2.0),
+        Interval("cuda:4 stream 5", "gemm", 0.5, 1.5),
+        Interval("cuda:1 stream 9", "fill", 0.6, 0.61),
+        Interval("thread 0", "mark", 1.0, 1.0),
+    ]
+
+
+def test_a_name_filter_skips_events_without_a_name(tmp_path):
+    nameless = {"ph": "X", "cat": "user_annotation", "ts": 0.0, "dur": 1.0}
+    path = write_trace(
+        tmp_path / "t.json",
+        [nameless | {"pid": 1, "tid": 1}, event("Xfer", "user_annotation", 5, 1)],
+    )
+    assert [i.name for i in trace_intervals(path, names=["N", "X"])] == ["Xfer"]
+
+
+def test_a_bare_list_of_events_and_a_dict_without_them(tmp_path):
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps([event("a", "user_annotation", 0.0, 1000.0)]))
+    assert trace_intervals(bare) == [Interval("thread 0", "a", 0.0, 1.0)]
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"events": []}))
+    with pytest.raises(
+        ValueError,
+        match=r"^A Chrome trace holds a list of events under 'traceEvents'\.$",
+    ):
+        trace_intervals(other)
+
+
+def test_concurrency_of_short_and_of_zero_length_spans():
+    side_by_side = [
+        Interval("thread 0", "a", 0, 0.5),
+        Interval("thread 1", "b", 0, 0.5),
+    ]
+    assert concurrency(side_by_side) == 2.0  # a span under 1 ms counts too
+    instants = [Interval("thread 0", "a", 1, 1), Interval("thread 1", "b", 1, 1)]
+    assert concurrency(instants) == 1.0  # nothing to divide by: no overlap claimed
+    with pytest.raises(
+        ValueError,
+        match=r"^No intervals: was anything recorded in the selected categories\?$",
+    ):
+        concurrency([])
+
+
+def test_make_profiler_activities_and_quiet_kineto(monkeypatch):
+    from torch.profiler import ProfilerActivity
+
+    monkeypatch.delenv("KINETO_LOG_LEVEL", raising=False)
+    for all_threads in (True, False):
+        assert set(make_profiler(all_threads=all_threads).activities) == {
+            ProfilerActivity.CPU
+        }
+    assert os.environ["KINETO_LOG_LEVEL"] == "6"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for all_threads in (True, False):
+        assert set(make_profiler(all_threads=all_threads).activities) == {
+            ProfilerActivity.CPU,
+            ProfilerActivity.CUDA,
+        }
+
+
+def test_plot_timeline_layout():
+    intervals = [Interval("thread 0", "a", 0, 1), Interval("thread 1", "b", 1, 3)]
+    ax = plot_timeline(intervals, title="two threads")
+    assert ax.get_ylim() == (1.5, -0.5)  # the first row on top
+    assert (ax.get_xlabel(), ax.get_title()) == ("time (ms)", "two threads")
+    (bar,) = ax.collections[1].get_paths()
+    assert bar.get_extents().bounds == pytest.approx((1.0, 0.6, 2.0, 0.8))
+    many = [Interval("thread 0", str(k), k, k + 1) for k in range(11)]
+    ten = plot_timeline(many[:10])
+    assert len(ten.get_legend().get_texts()) == 10 and ten.get_title() == ""
+    assert plot_timeline(many).get_legend() is None  # 11 names: no legend

@@ -390,3 +390,18 @@ def test_benchmark_interleaved_takes_turns_block_by_block(fake_timer):
     assert (result["a"].label, result["a"].median, result["a"].runs) == ("a", 2e-3, 3)
     assert (result["b"].label, result["b"].threads) == ("b", 2)
     assert timer_a.threads == {2}
+
+
+def test_benchmark_interleaved_defaults_and_a_single_block(fake_timer):
+    # The defaults: 2 warm-up calls, 7 blocks in 0.2 s. One call takes 1 ms,
+    # so a block of 0.2 s / 7 holds 28 calls.
+    fake_timer += [1e-3] * 8
+    calls: list[int] = []
+    result = timing.benchmark_interleaved({"a": lambda: calls.append(1)})
+    (timer,) = FakeTimer.instances
+    assert timer.numbers == [1] + [28] * 7
+    assert len(calls) == 2 + 1 + 28 * 7 and result["a"].runs == 7
+    FakeTimer.instances = []
+    fake_timer += [1e-3] * 2
+    one = timing.benchmark_interleaved({"a": lambda: None}, repeats=1)["a"]
+    assert one.runs == 1
