@@ -1,0 +1,259 @@
+"""Where training memory goes: bytes counted on the model, and their formulas.
+
+Training holds four kinds of tensors besides its temporaries:
+
+- the parameters, their gradients and the optimizer's state, which stay for
+  the whole run and scale with the number of parameters;
+- the activations that autograd saves in the forward pass for the backward
+  pass, which scale with the batch and the sequence.
+
+``state_bytes`` measures the first three on a model and its optimizer, and
+``state_bytes_formula`` predicts them from the parameter count.
+``SavedTensors`` measures the fourth with autograd's saved-tensor hooks: it
+adds up the storages packed for backward, each once, leaving out the
+parameters and buffers (a layer saves its weight, but that memory is the
+model's anyway). ``memory_timeline`` follows the allocator instead: the bytes
+allocated, event by event, through the phases of a training step, as the
+PyTorch profiler records them. Used in chapter 12.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Self
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from companion.notebook import CourseError
+
+__all__ = [
+    "CATEGORIES",
+    "OPTIMIZER_COPIES",
+    "Checkpointed",
+    "MemoryTimeline",
+    "SavedTensors",
+    "memory_timeline",
+    "state_bytes",
+    "state_bytes_formula",
+]
+
+# Tensors of the parameters' size that each optimizer keeps per parameter.
+OPTIMIZER_COPIES = {"sgd": 0, "sgd-momentum": 1, "adam": 2}
+
+
+def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.nelement() * t.element_size() for t in tensors)
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes held by the parameters, their gradients and the optimizer's state.
+
+    Gradients count once they exist (after a backward pass), and the optimizer's
+    state once it exists (after its first step).
+    """
+    params = list(model.parameters())
+    state = [
+        value
+        for per_param in optimizer.state.values()
+        for value in per_param.values()
+        if isinstance(value, torch.Tensor)
+    ]
+    return {
+        "parameters": _nbytes(params),
+        "gradients": _nbytes(p.grad for p in params if p.grad is not None),
+        "optimizer state": _nbytes(state),
+    }
+
+
+def state_bytes_formula(
+    n_params: int,
+    optimizer: str,
+    *,
+    n_tensors: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, int]:
+    """Predict ``state_bytes`` from the parameter count.
+
+    Args:
+        n_params: number of parameters (elements, not tensors).
+        optimizer: ``"sgd"``, ``"sgd-momentum"`` or ``"adam"``.
+        n_tensors: number of parameter tensors; Adam keeps a float32 step
+            counter for each (4 bytes), which the formula adds.
+        dtype: the parameters' dtype; gradients and state share it.
+    """
+    if optimizer not in OPTIMIZER_COPIES:
+        raise CourseError(
+            f"no formula for the optimizer {optimizer!r}; choose one of "
+            f"{', '.join(OPTIMIZER_COPIES)}."
+        )
+    per_param = n_params * dtype.itemsize
+    steps = 4 * n_tensors if optimizer == "adam" else 0
+    return {
+        "parameters": per_param,
+        "gradients": per_param,
+        "optimizer state": OPTIMIZER_COPIES[optimizer] * per_param + steps,
+    }
+
+
+class SavedTensors:
+    """Count the bytes autograd saves for backward inside a ``with`` block.
+
+    Wrap one forward pass (no backward pass inside the block)::
+
+        with SavedTensors(exclude=[*model.parameters(), *model.buffers()]) as saved:
+            loss = loss_fn(model(x), y)
+        saved.nbytes
+
+    Each storage counts once, whole, however many views of it are saved; the
+    storages of ``exclude`` do not count.
+    """
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+        self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
+        self._storages: dict[int, int] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        address = storage.data_ptr()
+        if address not in self._excluded and storage.nbytes() > 0:
+            self._storages.setdefault(address, storage.nbytes())
+        return tensor
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the distinct storages saved so far."""
+        return sum(self._storages.values())
+
+    def __enter__(self) -> Self:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self._hooks.__exit__(exc_type, exc, traceback)
+
+
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+class Checkpointed(nn.Module):
+    """``module`` under activation checkpointing.
+
+    The forward pass keeps only the module's inputs; the backward pass runs the
+    module's forward again to rebuild what its gradients need
+    (``torch.utils.checkpoint``, non-reentrant). Same results, less memory,
+    more computation.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any) -> Any:
+        return checkpoint(self.module, *args, use_reentrant=False)
+
+
+# The memory profiler's categories, in the order of its timeline's columns.
+CATEGORIES = (
+    "parameters",
+    "optimizer state",
+    "inputs",
+    "temporaries",
+    "activations",
+    "gradients",
+    "autograd detail",
+    "unknown",
+)
+
+
+@dataclass(frozen=True)
+class MemoryTimeline:
+    """Bytes allocated per category, after each change, as the memory profiler saw them."""
+
+    times: list[float]  # seconds since the first phase began
+    bytes: dict[str, list[int]]  # category -> bytes allocated at each time
+    phases: dict[str, tuple[float, float]]  # phase name -> (start, end), seconds
+
+    @property
+    def total(self) -> list[int]:
+        """Bytes allocated at each time, all categories together."""
+        return [sum(column) for column in zip(*self.bytes.values())]
+
+    def peak(self, category: str | None = None) -> int:
+        """Most bytes allocated at once, in one category or (None) in all."""
+        return max(self.total if category is None else self.bytes[category])
+
+    def at_end_of(self, phase: str, category: str | None = None) -> int:
+        """Bytes allocated when ``phase`` ended, in one category or (None) in all."""
+        end = self.phases[phase][1]
+        last = max(i for i, t in enumerate(self.times) if t <= end)
+        values = self.total if category is None else self.bytes[category]
+        return values[last]
+
+
+def memory_timeline(phases: Mapping[str, Callable[[], Any]]) -> MemoryTimeline:
+    """Run the ``phases`` in order under the memory profiler; return its timeline.
+
+    ``torch.profiler.profile(profile_memory=True, record_shapes=True,
+    with_stack=True)`` records every allocation and free on the CPU, and its
+    memory timeline sorts each tensor into a category (``CATEGORIES``) from
+    the operations that used it: a tensor the optimizer reads and writes is
+    optimizer state, a tensor made in the forward pass and used in the backward
+    pass is an activation. Each phase runs inside a ``record_function`` range
+    of its name. Tensors that exist before the first phase count from the start.
+
+    PyTorch marks this timeline deprecated in favour of CUDA memory snapshots
+    (``torch.cuda.memory._record_memory_history``), which a CPU does not have;
+    the warning is silenced here.
+    """
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # no status lines on stderr
+    with profile(
+        activities=[ProfilerActivity.CPU],
+        profile_memory=True,
+        record_shapes=True,
+        with_stack=True,
+    ) as prof:
+        for name, run in phases.items():
+            with record_function(name):
+                run()
+    ranges = {
+        e.name: (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.name in phases
+    }
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "memory.json")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", category=FutureWarning)
+            warnings.simplefilter("ignore", category=DeprecationWarning)
+            prof.export_memory_timeline(path, device="cpu")
+        with open(path, encoding="utf-8") as f:
+            times, sizes = json.load(f)
+    # Events count microseconds from the trace's start, the timeline from the epoch.
+    offset = prof.profiler.kineto_results.trace_start_ns() / 1e3
+    start = min(begin for begin, _ in ranges.values())
+    times = [t - offset for t in times]
+    columns = list(zip(*sizes))[1:]  # column 0 is unused
+    return MemoryTimeline(
+        times=[(t - start) / 1e6 for t in times],
+        bytes={name: list(values) for name, values in zip(CATEGORIES, columns)},
+        phases={
+            n: ((a - start) / 1e6, (b - start) / 1e6) for n, (a, b) in ranges.items()
+        },
+    )

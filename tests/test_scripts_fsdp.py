@@ -1,0 +1,427 @@
+"""Launch chapter 12's FSDP2 script for real, with 1, 2 and 4 gloo processes.
+
+Every expected number here is computed in this file, independently of the
+script's own formulas and checks:
+
+- the losses: the course's plain GPT (``companion.gpt``) trained in this
+  process on the same batches, in float64 (FSDP's must equal them to 1e-10);
+- the bytes each rank holds: the model's parameter shapes, split along dim 0
+  as ``torch.chunk`` splits them (owned) and padded to ``ceil(rows / N)``
+  rows (allocated); Adam keeps two shard-sized tensors and a 4-byte step
+  counter per parameter tensor, the counters whole on every rank;
+- the collectives of a step: per FSDP unit one all-gather before forward,
+  one more before backward if it resharded after forward (the root only when
+  told explicitly), one reduce-scatter of the gradients; none with one process;
+- checkpoints: saved by one number of processes and resumed by another, the
+  losses continue the uninterrupted run; the file gathered to rank 0 holds
+  the same tensors as the sharded checkpoint; a missing or broken checkpoint
+  is one sentence and exit code 2.
+
+``make test`` runs one 2-process launch and one 1-process launch that fails
+on a damaged checkpoint; the other bad input runs ``main()`` in this process
+(it is refused before the processes would meet). Every further launch (the
+resumes, the 4-process runs) is marked slow.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from companion.gpt import GPT, CharText, GPTConfig, lm_loss
+from companion.launch import LaunchError, launch, script_path
+
+pytestmark = pytest.mark.timeout(180)
+
+NAME = "fsdp_gpt.py"
+TOL = 1e-10  # float64; measured differences are about 1e-16
+SETTINGS = ("on", "off", "all-on")
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("fsdp_gpt", script_path(NAME))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def plain_losses(steps: int, lr: float = 3e-3, seed: int = 0) -> list[float]:
+    """The plain model, one process, the whole batch of 8 x 64 characters, float64."""
+    text = CharText()
+    config = GPTConfig(vocab_size=text.vocab_size)
+    torch.manual_seed(seed)
+    model = GPT(config).to(torch.float64)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    g = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        x, y = text.batch(8, 64, g)
+        optimizer.zero_grad()
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def unit_shapes(config: dict) -> dict[str, list[tuple[int, ...]]]:
+    """The shapes of each FSDP unit's parameters, written out from the model's definition."""
+    d, v = config["n_embd"], config["vocab_size"]
+    block = [(d,), (d, d), (d, d), (d, d), (d, d), (d,), (4 * d, d), (d, 4 * d)]
+    units = {f"blocks.{i}": block for i in range(config["n_layer"])}
+    units["root"] = [(v, d), (config["block_size"], d), (d,), (v, d)]
+    return units
+
+
+def owned_rows(rows: int, n: int, rank: int) -> int:
+    chunks = torch.arange(rows).chunk(n)  # FSDP2 shards dim 0 as torch.chunk does
+    return len(chunks[rank]) if rank < len(chunks) else 0
+
+
+def expected_state(config: dict, n: int, rank: int, b: int = 8) -> dict:
+    shapes = [s for unit in unit_shapes(config).values() for s in unit]
+    owned = b * sum(owned_rows(s[0], n, rank) * math.prod(s[1:]) for s in shapes)
+    padded = b * sum(-(-s[0] // n) * math.prod(s[1:]) for s in shapes)
+    return {
+        "parameters": {"local": owned, "storage": padded},
+        "gradients": {"local": owned, "storage": padded},
+        "optimizer_state": {"local": 2 * owned, "storage": 2 * owned},
+        "step_counters": {
+            "count": len(shapes),
+            "bytes": 4 * len(shapes),
+            "dtype": ["torch.float32"],
+            "sharded": False,
+        },
+    }
+
+
+def expected_communication(config: dict, n: int, setting: str, b: int = 8) -> tuple:
+    """(collectives of one step, unsharded bytes between forward and backward)."""
+    shard = {
+        name: b * sum(-(-s[0] // n) * math.prod(s[1:]) for s in shapes)
+        for name, shapes in unit_shapes(config).items()
+    }
+    kept = {  # units that stay unsharded from forward to backward
+        "on": ["root"],
+        "off": list(shard),
+        "all-on": [],
+    }[setting]
+    unsharded = sum(n * shard[u] for u in kept)
+    if n == 1:
+        return {}, unsharded
+    gathers = {u: 1 if u in kept else 2 for u in shard}
+    return {
+        "all-gather": {
+            "calls": sum(gathers.values()),
+            "input_bytes": sum(gathers[u] * shard[u] for u in shard),
+            "output_bytes": sum(gathers[u] * n * shard[u] for u in shard),
+        },
+        "reduce-scatter": {
+            "calls": len(shard),
+            "input_bytes": n * sum(shard.values()),
+            "output_bytes": sum(shard.values()),
+        },
+    }, unsharded
+
+
+def damaged(folder) -> str:
+    """The one sentence for a checkpoint that DCP cannot read."""
+    return (
+        f"{NAME}: error: cannot read the sharded checkpoint in {folder} "
+        "(CheckpointException): it is damaged or incomplete; save it again with --save."
+    )
+
+
+def assert_losses_match(out: dict, first: int, count: int) -> None:
+    reference = plain_losses(first + count)[first:]
+    assert out["steps"] == list(range(first, first + count))
+    diffs = [abs(a - r) for a, r in zip(out["losses"], reference, strict=True)]
+    assert max(diffs) <= TOL, (out["losses"], reference)
+
+
+def assert_measurements_match(out: dict) -> None:
+    n, config = out["world_size"], out["config"]
+    measured = out["memory"]["measured"]
+    assert measured == [expected_state(config, n, r) for r in range(n)]
+    # The shards partition the model: every element is owned exactly once.
+    assert sum(m["parameters"]["local"] for m in measured) == 8 * out["n_params"]
+    for setting in SETTINGS:
+        comm = out["communication"][setting]
+        collectives, unsharded = expected_communication(config, n, setting)
+        assert comm["per_step"] and all(s == collectives for s in comm["per_step"]), (
+            setting,
+            comm,
+        )
+        assert comm["unsharded_bytes_after_forward"] == unsharded, (setting, comm)
+        assert comm["same_on_every_rank"]
+
+
+@pytest.fixture(scope="module")
+def script():
+    return load_script()
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory) -> tuple[dict, Path]:
+    """One 2-process launch: train 3 steps, count, check, save; its results and checkpoint."""
+    ckpt = tmp_path_factory.mktemp("two") / "ckpt"
+    args = ["--steps", "3", "--check", "--save", str(ckpt)]
+    return launch(NAME, args, nproc=2, timeout=150), ckpt
+
+
+def test_the_scripts_model_is_companion_gpt(script) -> None:
+    """The copy in the script: the same parameters, logits and batches, bit for bit."""
+    text, copy_text = CharText(), script.CharText()
+    assert torch.equal(text.ids, copy_text.ids)
+    for sizes in (
+        {},
+        {"n_layer": 3, "n_head": 2, "n_embd": 24, "block_size": 32},
+        {"sdpa": True},
+    ):
+        config = GPTConfig(vocab_size=text.vocab_size, **sizes)
+        torch.manual_seed(3)
+        ours = GPT(config)
+        torch.manual_seed(3)
+        theirs = script.GPT(script.GPTConfig(**asdict(config)))
+        mine, copied = dict(ours.named_parameters()), dict(theirs.named_parameters())
+        assert mine.keys() == copied.keys()
+        assert all(torch.equal(mine[k], copied[k]) for k in mine)
+        g1, g2 = (torch.Generator().manual_seed(5) for _ in range(2))
+        (x, y), (x2, y2) = text.batch(4, 16, g1), copy_text.batch(4, 16, g2)
+        assert torch.equal(x, x2) and torch.equal(y, y2)
+        assert torch.equal(ours(x), theirs(x))
+        assert torch.equal(lm_loss(ours(x), y), script.lm_loss(theirs(x), y))
+    with pytest.raises(script.UsageError, match="multiple of n_head"):
+        script.GPTConfig(n_head=3, n_embd=8)
+
+
+# Chapter 12 launches the script at 4, 2 and 1 processes in make test, with verdicts.
+@pytest.mark.slow
+def test_two_processes_match_one_process_every_formula_and_both_checkpoints(
+    two, tmp_path
+) -> None:
+    """One test for the one launch, so that pytest-xdist starts it once.
+
+    DCP writes a file per rank, each rank holding its shard; the gathered
+    checkpoint is one file, all of it held by rank 0; both hold the same state.
+    """
+    out, ckpt = two
+    assert out["world_size"] == 2 and out["dtype"] == "float64"
+    assert_losses_match(out, 0, 3)
+    assert_measurements_match(out)
+    assert out["checks"] == {"memory": True, "communication": True, "losses": True}
+
+    names = sorted(p.name for p in ckpt.iterdir())
+    assert names == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "full_state.pt",
+        "meta.json",
+    ]
+    assert sorted(p.name for p in ckpt.parent.iterdir()) == ["ckpt"]  # no .tmp left
+    assert json.loads((ckpt / "meta.json").read_text())["step"] == 3
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(ckpt, tmp_path / "converted.pt")
+    converted = torch.load(tmp_path / "converted.pt", weights_only=True)
+    gathered = torch.load(ckpt / "full_state.pt", weights_only=True)
+    assert converted["model"].keys() == gathered["model"].keys()
+    for fqn, tensor in gathered["model"].items():
+        assert torch.equal(converted["model"][fqn], tensor)
+    assert (
+        converted["optimizer"]["state"].keys() == gathered["optimizer"]["state"].keys()
+    )
+    for fqn, state in gathered["optimizer"]["state"].items():
+        assert state.keys() == {"step", "exp_avg", "exp_avg_sq"}
+        for key, value in state.items():
+            assert torch.equal(converted["optimizer"]["state"][fqn][key], value)
+    # The gathered file loads into the plain model (strict: same keys and shapes).
+    plain = GPT(GPTConfig(vocab_size=out["config"]["vocab_size"])).to(torch.float64)
+    plain.load_state_dict(gathered["model"])
+    full = 3 * 8 * out["n_params"] + 4 * out["n_param_tensors"]
+    shards = [
+        m["parameters"]["local"]
+        + m["optimizer_state"]["local"]
+        + m["step_counters"]["bytes"]
+        for m in out["memory"]["measured"]
+    ]
+    save = out["checkpoint"]["save"]
+    assert save["dcp"]["held_bytes_per_rank"] == shards
+    assert save["gathered"]["held_bytes_per_rank"] == [full, 0]
+
+
+@pytest.mark.slow  # a second launch
+def test_one_process_resumes_what_two_saved(two) -> None:
+    _, ckpt = two
+    args = ["--steps", "2", "--check", "--load", str(ckpt)]
+    resumed = launch(NAME, args, nproc=None, timeout=90)
+    assert resumed["world_size"] == 1
+    assert resumed["checkpoint"]["load"]["saved_by_world_size"] == 2
+    assert_losses_match(resumed, 3, 2)
+    assert_measurements_match(resumed)
+
+
+def run_in_process(script, monkeypatch, capsys, args: list[str], world_size: int):
+    """Run the script's main() here as rank 0 of ``world_size``; return its exit code and stderr.
+
+    Every case is refused before the processes would meet; ``--timeout 5``
+    bounds the wait if one were not.
+    """
+    for name, value in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", world_size)):
+        monkeypatch.setenv(name, str(value))
+    monkeypatch.setattr(sys, "argv", [NAME, *args, "--timeout", "5"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:
+        script.run_main(script.main)
+    return stopped.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case", ["missing", "interrupted", "no meta.json", "not ours"])
+def test_a_missing_checkpoint_is_one_sentence(
+    case, script, tmp_path, monkeypatch, capsys
+) -> None:
+    folder = tmp_path / "ckpt"
+    if case == "interrupted":  # a save stopped between its two renames
+        (tmp_path / "ckpt.old").mkdir()
+        (tmp_path / "ckpt.old" / "meta.json").write_text("{}")
+    elif case != "missing":
+        folder.mkdir()
+        (folder / "__0_0.distcp").write_bytes(b"half a save")
+    if case == "not ours":
+        (folder / "meta.json").write_text('{"step": 3}')
+    code, err = run_in_process(script, monkeypatch, capsys, ["--load", str(folder)], 4)
+    expected = {
+        "missing": f"there is no checkpoint directory {folder}; give a directory "
+        "that this script wrote with --save.",
+        "interrupted": f"there is no checkpoint directory {folder}, but ckpt.old "
+        "holds the one before an interrupted save; rename it to ckpt.",
+        "no meta.json": f"{folder} holds no meta.json, so it is not a complete "
+        "checkpoint of this script (an interrupted save leaves ckpt.tmp); give a "
+        "directory that this script wrote with --save.",
+        "not ours": f"{folder / 'meta.json'} is not this script's; give a directory "
+        "that this script wrote with --save.",
+    }[case]
+    assert (code, err) == (2, f"{NAME}: error: {expected}\n")
+
+
+@pytest.mark.parametrize(
+    "args, world_size, expected",
+    [
+        (
+            ["--batch-size", "8"],
+            3,
+            "--batch-size 8 does not split evenly over 3 processes; use a multiple of 3.",
+        ),
+        (
+            ["--seq-len", "65"],
+            1,
+            "--seq-len 65 is longer than --block-size 64; shorten it or widen the model.",
+        ),
+        (["--n-head", "3"], 1, "n_embd (64) must be a multiple of n_head (3)."),
+    ],
+)
+def test_bad_input_is_one_sentence(
+    args, world_size, expected, script, monkeypatch, capsys
+) -> None:
+    code, err = run_in_process(script, monkeypatch, capsys, args, world_size)
+    assert (code, err) == (2, f"{NAME}: error: {expected}\n")
+
+
+def test_a_damaged_checkpoint_is_one_sentence(tmp_path, capsys) -> None:
+    """meta.json is fine, DCP's .metadata is not: DCP fails (and would log a
+    traceback); the script says it in one sentence."""
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    meta = {"format": "x", "step": 2, "world_size": 2, "config": {}, "train": {}}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    (folder / ".metadata").write_bytes(b"not a pickle")
+    with pytest.raises(LaunchError, match="exit code 2"):
+        launch(NAME, ["--load", str(folder)], nproc=None, timeout=60)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    errors = [line for line in lines if f"{NAME}: error:" in line]
+    assert errors == [damaged(folder)], lines
+    assert not any("Traceback" in line for line in lines), lines
+
+
+@pytest.mark.slow
+def test_one_two_and_four_processes_train_alike_with_either_resharding() -> None:
+    runs = {
+        "1": launch(NAME, ["--steps", "4"], nproc=None, timeout=90),
+        "2 off": launch(
+            NAME,
+            ["--steps", "4", "--reshard-after-forward", "off"],
+            nproc=2,
+            timeout=120,
+        ),
+        "4": launch(NAME, ["--steps", "4"], nproc=4, timeout=150),
+    }
+    for out in runs.values():
+        assert_losses_match(out, 0, 4)
+        assert_measurements_match(out)
+    # At 4 processes the vocabulary's rows do not split evenly: padding shows.
+    four = runs["4"]
+    measured = four["memory"]["measured"]
+    assert len({m["parameters"]["local"] for m in measured}) > 1
+    assert all(
+        m["parameters"]["storage"] > m["parameters"]["local"] for m in measured[-1:]
+    )
+
+
+@pytest.mark.slow
+def test_four_processes_save_and_two_resume_as_if_never_stopped(
+    tmp_path, capsys
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    saved = launch(NAME, ["--steps", "3", "--save", str(ckpt)], nproc=4, timeout=150)
+    assert_losses_match(saved, 0, 3)
+    assert sorted(p.name for p in ckpt.glob("*.distcp")) == [
+        f"__{r}_0.distcp" for r in range(4)
+    ]
+    # Load and save again into the same directory: the new one replaces it whole.
+    resumed = launch(
+        NAME,
+        ["--steps", "3", "--check", "--load", str(ckpt), "--save", str(ckpt)],
+        nproc=2,
+        timeout=150,
+    )
+    assert resumed["checkpoint"]["load"]["saved_by_world_size"] == 4
+    assert_losses_match(resumed, 3, 3)
+    assert_measurements_match(resumed)
+    assert json.loads((ckpt / "meta.json").read_text())["step"] == 6
+    assert sorted(p.name for p in ckpt.glob("*.distcp")) == [
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no .tmp, no .old
+
+    # A shard cut short: every rank fails inside DCP; one sentence from rank 0.
+    shard = ckpt / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    capsys.readouterr()
+    with pytest.raises(LaunchError, match="exit code"):  # torchrun's own: 1
+        launch(NAME, ["--load", str(ckpt)], nproc=2, timeout=120)
+    errors = [line for line in capsys.readouterr().out.splitlines() if "error:" in line]
+    assert errors == [damaged(ckpt)], errors
+
+
+@pytest.mark.slow
+def test_a_missed_tolerance_exits_with_code_3(capsys) -> None:
+    """float32 cannot meet float64's tolerance: the check can fail. (torchrun
+    itself exits with 1 when a process fails; rank 0's sentence says why.)"""
+    with pytest.raises(LaunchError, match="exit code"):
+        launch(
+            NAME,
+            ["--steps", "2", "--check", "--dtype", "float32", "--tolerance", "1e-12"],
+            nproc=2,
+            timeout=120,
+        )
+    errors = [line for line in capsys.readouterr().out.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "beyond --tolerance 1e-12" in errors[0], errors
