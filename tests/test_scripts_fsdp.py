@@ -25,31 +25,22 @@ resumes, the 4-process runs) is marked slow.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 import torch
+from gpt_scripts import check_model_copy, load_script, run_in_process
 
 from companion.gpt import GPT, CharText, GPTConfig, lm_loss
-from companion.launch import LaunchError, launch, script_path
+from companion.launch import LaunchError, launch
 
 pytestmark = pytest.mark.timeout(180)
 
 NAME = "fsdp_gpt.py"
 TOL = 1e-10  # float64; measured differences are about 1e-16
 SETTINGS = ("on", "off", "all-on")
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("fsdp_gpt", script_path(NAME))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def plain_losses(steps: int, lr: float = 3e-3, seed: int = 0) -> list[float]:
@@ -165,7 +156,7 @@ def assert_measurements_match(out: dict) -> None:
 
 @pytest.fixture(scope="module")
 def script():
-    return load_script()
+    return load_script(NAME)
 
 
 @pytest.fixture(scope="module")
@@ -177,29 +168,7 @@ def two(tmp_path_factory) -> tuple[dict, Path]:
 
 
 def test_the_scripts_model_is_companion_gpt(script) -> None:
-    """The copy in the script: the same parameters, logits and batches, bit for bit."""
-    text, copy_text = CharText(), script.CharText()
-    assert torch.equal(text.ids, copy_text.ids)
-    for sizes in (
-        {},
-        {"n_layer": 3, "n_head": 2, "n_embd": 24, "block_size": 32},
-        {"sdpa": True},
-    ):
-        config = GPTConfig(vocab_size=text.vocab_size, **sizes)
-        torch.manual_seed(3)
-        ours = GPT(config)
-        torch.manual_seed(3)
-        theirs = script.GPT(script.GPTConfig(**asdict(config)))
-        mine, copied = dict(ours.named_parameters()), dict(theirs.named_parameters())
-        assert mine.keys() == copied.keys()
-        assert all(torch.equal(mine[k], copied[k]) for k in mine)
-        g1, g2 = (torch.Generator().manual_seed(5) for _ in range(2))
-        (x, y), (x2, y2) = text.batch(4, 16, g1), copy_text.batch(4, 16, g2)
-        assert torch.equal(x, x2) and torch.equal(y, y2)
-        assert torch.equal(ours(x), theirs(x))
-        assert torch.equal(lm_loss(ours(x), y), script.lm_loss(theirs(x), y))
-    with pytest.raises(script.UsageError, match="multiple of n_head"):
-        script.GPTConfig(n_head=3, n_embd=8)
+    check_model_copy(script)
 
 
 # Chapter 12 launches the script at 4, 2 and 1 processes in make test, with verdicts.
@@ -267,21 +236,6 @@ def test_one_process_resumes_what_two_saved(two) -> None:
     assert resumed["checkpoint"]["load"]["saved_by_world_size"] == 2
     assert_losses_match(resumed, 3, 2)
     assert_measurements_match(resumed)
-
-
-def run_in_process(script, monkeypatch, capsys, args: list[str], world_size: int):
-    """Run the script's main() here as rank 0 of ``world_size``; return its exit code and stderr.
-
-    Every case is refused before the processes would meet; ``--timeout 5``
-    bounds the wait if one were not.
-    """
-    for name, value in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", world_size)):
-        monkeypatch.setenv(name, str(value))
-    monkeypatch.setattr(sys, "argv", [NAME, *args, "--timeout", "5"])
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as stopped:
-        script.run_main(script.main)
-    return stopped.value.code, capsys.readouterr().err
 
 
 @pytest.mark.parametrize("case", ["missing", "interrupted", "no meta.json", "not ours"])
