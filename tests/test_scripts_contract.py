@@ -4,7 +4,7 @@ No GPU and no SLURM here, so ``tests/scripts/fake_cluster.py`` plays them: two
 real processes meet at a real rendezvous, each with the GPUs (count, uuids),
 host name and launcher environment that a case gives it, and record the
 backend and ``device_id`` each script passes to ``init_process_group``, or
-the error each rank reached. The cases, for each of the seven scripts:
+the error each rank reached. The cases, for each of the nine scripts:
 
 - torchrun, no GPU: gloo on the CPU for both;
 - torchrun, two GPUs per node: nccl, ``cuda:0`` and ``cuda:1``;
@@ -218,7 +218,7 @@ def test_every_rank_reaches_the_same_decision(outcomes, index):
 
 
 def test_the_plan_covers_every_script():
-    assert len(ALL) == 7 and {Path(c["script"]).name for c in make_plan()} == set(ALL)
+    assert len(ALL) == 9 and {Path(c["script"]).name for c in make_plan()} == set(ALL)
 
 
 @pytest.mark.parametrize("script", ALL)

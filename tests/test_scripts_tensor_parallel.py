@@ -1,0 +1,382 @@
+"""Launch chapter 13's tensor-parallel script for real, with 2 and 4 gloo processes.
+
+Every expected number here is computed in this file, independently of the
+script's own formulas and checks:
+
+- the script's copy of the model equals ``companion.gpt`` bit for bit;
+- the losses: the course's plain GPT (``companion.gpt``) trained in this
+  process on the same batches, in float64 (every split must equal them to
+  1e-10);
+- the collectives of a step: listed here layer by layer (which layer calls
+  which collective on how many elements, in which phase) and added up;
+- the bytes saved for backward: listed here tensor by tensor (what each
+  layer keeps, and which of those a split divides by N), checked in this
+  process against ``companion.gpt``'s formula for the plain model;
+- the 2-D run's parameter bytes: the model's own parameters cut with
+  ``torch.chunk``, as TP and then FSDP2 cut them.
+
+``make test`` runs one 2-process launch (``--layout tp --check``); bad input
+runs ``main()`` in this process (it is refused before the processes would
+meet); the 2-D launch and the failing check are marked slow.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+import torch
+from gpt_scripts import check_model_copy, load_script, run_in_process
+
+from companion.gpt import (
+    GPT,
+    CharText,
+    GPTConfig,
+    lm_loss,
+    saved_activation_bytes_formula,
+)
+from companion.launch import LaunchError, launch
+
+pytestmark = pytest.mark.timeout(180)
+
+NAME = "tensor_parallel_gpt.py"
+TOL = 1e-10  # float64; measured differences are about 1e-16
+B, T = 8, 64  # the script's default batch
+
+
+@pytest.fixture(scope="module")
+def script():
+    return load_script(NAME)
+
+
+def default_config() -> GPTConfig:
+    return GPTConfig(vocab_size=CharText().vocab_size)
+
+
+def plain_losses(steps: int, lr: float = 3e-3, seed: int = 0) -> list[float]:
+    """The plain model, one process, the whole batch of 8 x 64 characters, float64."""
+    text = CharText()
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(vocab_size=text.vocab_size)).to(torch.float64)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    g = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        x, y = text.batch(B, T, g)
+        optimizer.zero_grad()
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def add_up(events: list[tuple[str, str, int, int]], b: int) -> dict:
+    """Collectives listed as (phase, kind, input elements, output elements), added up."""
+    steps: dict = {}
+    for phase, kind, n_in, n_out in events:
+        row = steps.setdefault(phase, {}).setdefault(
+            kind, defaultdict(int, calls=0, input_bytes=0, output_bytes=0)
+        )
+        row["calls"] += 1
+        row["input_bytes"] += n_in * b
+        row["output_bytes"] += n_out * b
+    return {p: {k: dict(r) for k, r in kinds.items()} for p, kinds in steps.items()}
+
+
+def expected_collectives(config: GPTConfig, n: int, b: int = 8) -> dict:
+    """One training step's collectives per phase, layer by layer."""
+    d, V = config.n_embd, config.vocab_size
+    stream = B * T * d  # the residual stream: every position, every feature
+    hand, tp, sp = [], [], []
+    for _ in range(config.n_layer):
+        for _half in ("attention", "mlp"):
+            # Megatron-LM: g sums the partial outputs, f sums the input gradients.
+            hand += [("forward", "all-reduce", stream, stream)]
+            hand += [("backward", "all-reduce", stream, stream)]
+            # DTensor: proj makes its Partial output Replicate; in backward each
+            # ColwiseParallel module (q, k, v; fc) reduces its own input gradient.
+            tp += [("forward", "all-reduce", stream, stream)]
+            tp += [("backward", "all-reduce", stream, stream)] * (
+                3 if _half == "attention" else 1
+            )
+            # Sequence parallel: gather the LayerNorm's shards, scatter proj's sums.
+            sp += [("forward", "all-gather", stream // n, stream)]
+            sp += [("forward", "reduce-scatter", stream, stream // n)]
+            sp += [("backward", "all-gather", stream // n, stream)]
+            sp += [("backward", "reduce-scatter", stream, stream // n)]
+            # The LayerNorm's weight has a Partial gradient, all-reduced each time
+            # Adam reads it: lerp once, addcmul (grad times grad) twice.
+            sp += [("optimizer", "all-reduce", d, d)] * 3
+    shard = B * T * -(-V // n)  # one rank's logits, the vocabulary padded
+    sp += [
+        ("forward", "all-gather", stream // n, stream),  # the head's input
+        ("forward", "all-gather", shard, n * shard),  # the logits
+        ("backward", "reduce-scatter", stream, stream // n),  # the head's input
+        ("backward", "all-gather", stream // n, stream),  # into the embeddings
+    ]
+    sp += [("optimizer", "all-reduce", d, d)] * 3  # the final LayerNorm's weight
+    empty = {"forward": {}, "backward": {}, "optimizer": {}}
+    return {
+        split: {**empty, **add_up(events, b)}
+        for split, events in (("hand", hand), ("tp", tp), ("sp", sp))
+    }
+
+
+def expected_saved_bytes(config: GPTConfig, n: int, split: str, b: int = 8) -> int:
+    """Bytes saved for backward per rank, tensor by tensor.
+
+    ``tp``: heads and MLP features split over n; ``sp`` also splits the
+    positions the LayerNorms see, while attention and MLP keep their whole,
+    all-gathered input.
+    """
+    d, h, V = config.n_embd, config.n_head, config.vocab_size
+    P = B * T
+    heads = 1 if split == "plain" else n  # q, k, v, softmax, MLP features
+    seq = n if split == "sp" else 1  # positions a LayerNorm sees
+    block = [
+        P // seq * d,  # ln_1's input
+        2 * P // seq,  # its mean and inverse standard deviation
+        P * d,  # attention's input (q, k and v share it)
+        3 * P * d // heads,  # contiguous copies of q, k and v
+        B * h * T * T // heads,  # the softmax's output
+        P * d // heads,  # the heads side by side, proj's input
+        P // seq * d,  # ln_2's input
+        2 * P // seq,
+        P * d,  # the MLP's input
+        4 * P * d // heads,  # the GELU's input
+        4 * P * d // heads,  # proj's input, the GELU's output
+    ]
+    around = [P // seq * (d + 2), P * d, P * V]  # ln_f, head's input, log-softmax
+    around += [1]  # cross-entropy's total weight, a scalar
+    integers = (2 * P + T) * 8  # token ids and targets, positions
+    return (config.n_layer * sum(block) + sum(around)) * b + integers
+
+
+def expected_parameter_bytes(dp: int, tp: int, b: int = 8) -> list[dict]:
+    """Per rank of a dp x tp mesh: the parameters cut by TP, then dim 0 by FSDP2."""
+    torch.manual_seed(0)
+    model = GPT(default_config())
+    out = []
+    for rank in range(dp * tp):
+        dp_rank, tp_rank = divmod(rank, tp)
+        owned = padded = 0
+        for name, p in model.named_parameters():
+            kept = p.detach()
+            leaf = name.rsplit(".", 2)[-2]  # the layer's own name
+            if leaf in ("q", "k", "v", "fc"):
+                kept = kept.chunk(tp, dim=0)[tp_rank]
+            elif leaf == "proj":
+                kept = kept.chunk(tp, dim=1)[tp_rank]
+            pieces = kept.chunk(dp, dim=0)
+            owned += pieces[dp_rank].numel() if dp_rank < len(pieces) else 0
+            padded += pieces[0].numel()
+        out.append({"local": owned * b, "storage": padded * b})
+    return out
+
+
+def test_the_scripts_model_is_companion_gpt(script) -> None:
+    check_model_copy(script)
+
+
+def test_the_plain_models_saved_bytes_in_this_process(script) -> None:
+    """Measured here, without processes: the course's formula, this file's list, the
+    script's formula and the script's measurement agree for the plain model."""
+    config = default_config()
+    course = sum(saved_activation_bytes_formula(config, B, T, 8).values())
+    # companion/gpt.py leaves out one scalar, cross-entropy's total weight.
+    assert expected_saved_bytes(config, 1, "plain") == course + 8
+    predicted = script.predict_saved_bytes(config, B, T, 2, 8)
+    assert predicted["plain"]["total"] == course + 8
+    torch.manual_seed(0)
+    model = GPT(config).to(torch.float64)
+    x, y = CharText().batch(B, T, torch.Generator().manual_seed(0))
+    assert script.saved_bytes(model, x, y) == course + 8
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_the_scripts_formulas_match_the_lists_here(script, n) -> None:
+    config = default_config()
+    predicted = script.predict_saved_bytes(config, B, T, n, 8)
+    for split in ("tp", "sp"):
+        assert predicted[split]["total"] == expected_saved_bytes(config, n, split)
+    collectives = script.predict_collectives(config, B, T, n, 8)
+    expected = expected_collectives(config, n)
+    for split in ("hand", "tp", "sp"):
+        assert collectives[split] == expected[split], split
+    torch.manual_seed(0)
+    shapes = {k: list(p.shape) for k, p in GPT(config).named_parameters()}
+    dp, tp = n // 2 or 1, 2
+    assert [
+        script.predict_parameter_bytes(shapes, dp, tp, r, 8) for r in range(dp * tp)
+    ] == expected_parameter_bytes(dp, tp)
+
+
+def test_two_processes_split_three_ways_and_match_the_plain_model() -> None:
+    """One launch (make test's only one from this file): every number against this file's."""
+    out = launch(NAME, ["--layout", "tp", "--check"], nproc=2, timeout=150)
+    config = GPTConfig(**out["config"])
+    assert out["world_size"] == 2 and out["dtype"] == "float64"
+    assert out["checks"] == dict.fromkeys(
+        [
+            "hand_block",
+            "hand_collectives",
+            "hand_losses",
+            "tp_losses",
+            "tp_gradients",
+            "tp_collectives",
+            "sp_losses",
+            "sp_collectives",
+            "activations",
+        ],
+        True,
+    )
+    assert max(out["hand"]["block"]["max_diff"].values()) <= TOL
+    # One block: g after attention and after the MLP, f before them in backward.
+    stream = B * T * config.n_embd * 8
+    two = {
+        "all-reduce": {
+            "calls": 2,
+            "input_bytes": 2 * stream,
+            "output_bytes": 2 * stream,
+        }
+    }
+    assert out["hand"]["block"]["collectives"] == {"forward": two, "backward": two}
+
+    reference = plain_losses(3)
+    assert out["reference_losses"] == pytest.approx(reference, abs=TOL)
+    expected = expected_collectives(config, 2)
+    for split in ("hand", "tp", "sp"):
+        run = out[split]
+        assert max(abs(a - r) for a, r in zip(run["losses"], reference)) <= TOL
+        assert max(run["max_diff"].values()) <= TOL, (split, run["max_diff"])
+        assert len(run["collectives"]) == 3 and run["same_on_every_rank"]
+        assert all(step == expected[split] for step in run["collectives"]), split
+    # The hand-written functions counted what CommDebugMode saw.
+    assert out["hand"]["own_count"] == out["hand"]["collectives"]
+
+    measured = out["activations"]["measured"]
+    assert set(measured) == {"plain", "hand", "tp", "sp"}
+    for split, per_rank in measured.items():
+        want = expected_saved_bytes(config, 2, "tp" if split == "hand" else split)
+        assert per_rank == [want, want], split
+    assert measured["plain"][0] > measured["tp"][0] > measured["sp"][0]
+
+    timing = out["timing"]
+    for key in ("plain_same_cpus", "plain_one_process", "hand", "tp", "sp"):
+        assert 0 < timing[key] < 10, (key, timing)
+    assert 0 < timing["all_reduce"] < 1 and timing["all_reduce_bytes"] == stream
+
+
+@pytest.mark.slow
+def test_four_processes_on_a_2x2_mesh_match_the_plain_model() -> None:
+    out = launch(NAME, ["--layout", "2d", "--check"], nproc=4, timeout=170)
+    assert out["mesh"] == {"dp": 2, "tp": 2} and out["world_size"] == 4
+    reference = plain_losses(5)
+    assert len(out["losses"]) == 5
+    assert max(abs(a - r) for a, r in zip(out["losses"], reference)) <= TOL
+    assert out["reference_losses"] == pytest.approx(reference, abs=TOL)
+    measured = out["parameter_bytes"]["measured"]
+    assert measured == expected_parameter_bytes(2, 2)
+    # TP does not split the embeddings, LayerNorms and head: above P b / 4.
+    whole = out["parameter_bytes"]["whole_model"]
+    assert all(whole / 4 < m["local"] < whole / 2 for m in measured)
+    assert out["checks"] == {"losses": True, "parameter_bytes": True}
+
+
+@pytest.mark.slow
+def test_a_missed_tolerance_exits_with_code_3(capsys) -> None:
+    """float32 cannot meet a 1e-15 tolerance: the check fails, one sentence from
+    rank 0 (torchrun itself exits with 1 when a process fails)."""
+    capsys.readouterr()
+    with pytest.raises(LaunchError, match="exit code"):
+        launch(
+            NAME,
+            ["--check", "--dtype", "float32", "--tolerance", "1e-15", "--repeats", "1"],
+            nproc=2,
+            timeout=150,
+        )
+    errors = [line for line in capsys.readouterr().out.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "beyond --tolerance 1e-15." in errors[0], errors
+    assert errors[0].startswith(f"{NAME}: error: ")
+
+
+@pytest.mark.parametrize(
+    "args, world_size, expected",
+    [
+        (
+            [],
+            3,
+            (
+                "--n-head 4 does not split over 3 tensor-parallel processes, each of "
+                "which keeps whole heads; use a number of them that divides 4."
+            ),
+        ),
+        (
+            ["--seq-len", "63"],
+            2,
+            (
+                "--seq-len 63 does not split over 2 processes for sequence parallelism; "
+                "use a multiple of 2."
+            ),
+        ),
+        (
+            ["--mesh", "2x2"],
+            4,
+            "--mesh is for --layout 2d; leave it out, or add --layout 2d.",
+        ),
+        (
+            ["--layout", "2d"],
+            2,
+            (
+                "--mesh 2x2 needs 4 processes, not 2; start 4, or give a mesh DPxTP with "
+                "DP x TP = 2."
+            ),
+        ),
+        (
+            ["--layout", "2d", "--mesh", "2by2"],
+            4,
+            (
+                "--mesh 2by2 is not of the form DPxTP with two positive whole numbers "
+                "(e.g. 2x2)."
+            ),
+        ),
+        (
+            ["--layout", "2d", "--mesh", "1x3", "--n-head", "4"],
+            3,
+            (
+                "--n-head 4 does not split over 3 tensor-parallel processes, each of "
+                "which keeps whole heads; use a number of them that divides 4."
+            ),
+        ),
+        (
+            ["--layout", "2d", "--batch-size", "6", "--mesh", "4x1"],
+            4,
+            (
+                "--batch-size 6 does not split evenly over 4 data-parallel groups; use a "
+                "multiple of 4."
+            ),
+        ),
+        (["--n-head", "3"], 1, "n_embd (64) must be a multiple of n_head (3)."),
+    ],
+)
+def test_bad_input_is_one_sentence(
+    args, world_size, expected, script, monkeypatch, capsys
+) -> None:
+    code, err = run_in_process(script, monkeypatch, capsys, args, world_size)
+    assert (code, err) == (2, f"{NAME}: error: {expected}\n")
+
+
+def test_split_dims_follow_megatron(script) -> None:
+    """Column-parallel layers split their weight's rows, row-parallel its columns."""
+    torch.manual_seed(0)
+    names = [n for n, _ in GPT(default_config()).named_parameters()]
+    dims = {n: script.split_dim(n) for n in names}
+    assert {n for n, d in dims.items() if d == 0} == {
+        f"blocks.{i}.{layer}.weight"
+        for i in range(2)
+        for layer in ("attn.q", "attn.k", "attn.v", "mlp.fc")
+    }
+    assert {n for n, d in dims.items() if d == 1} == {
+        f"blocks.{i}.{layer}.proj.weight" for i in range(2) for layer in ("attn", "mlp")
+    }
