@@ -1557,9 +1557,9 @@ def parse_args() -> argparse.Namespace:
     add(
         "--repeats",
         type=int,
-        default=5,
+        default=9,
         help="timed repeats of each measurement, after a warm-up, for --layout tp "
-        "(default: 5)",
+        "(default: 9)",
     )
     add(
         "--check",
