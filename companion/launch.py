@@ -1,12 +1,21 @@
 """Run a standalone script in its own processes and get its results back.
 
 Notebooks cannot ``mp.spawn`` a function defined in a cell (the workers cannot
-import ``__main__``), so multi-process chapters launch a script from
-``companion/scripts/`` instead: under ``python -m torch.distributed.run``
-(torchrun) for several processes, or under plain ``python``. The script's
-output streams into the notebook as it runs; a time-out or an interrupt stops
-the whole process group, so nothing is left running; the script's JSON results
-file comes back as a dict. Used in chapters 08, 09 and 11.
+import ``__main__``), so multi-process chapters launch a script instead: one
+from ``companion/scripts/`` (what a reader copies to a cluster) or a check
+from ``companion/checks/`` (the course's measurements around a script's own
+functions), under ``python -m torch.distributed.run`` (torchrun) for several
+processes, or under plain ``python``. The output streams into the notebook as
+it runs; a time-out or an interrupt stops the whole process group, so nothing
+is left running; the JSON results file comes back as a dict.
+
+Devices: the scripts give each process a GPU of its own when the node has one
+per process, and refuse a node with too few. ``launch`` therefore runs on the
+GPUs when there are at least as many as processes, and otherwise hides them
+(``CUDA_VISIBLE_DEVICES=""``), so that the run uses the CPU; a chapter that
+compares runs with different process counts passes the same ``gpus=`` to each
+(``gpus_for(1, 2, 4)``), so that they all ran on the same kind of device.
+Used in chapters 08, 09 and 11 to 15.
 """
 
 from __future__ import annotations
@@ -23,11 +32,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from companion.devices import cpu_count
+from companion.devices import cpu_count, num_gpus
 
-__all__ = ["LaunchError", "LaunchTimeout", "script_path", "launch"]
+__all__ = ["LaunchError", "LaunchTimeout", "gpus_for", "launch", "script_path"]
 
-SCRIPTS = Path(__file__).resolve().parent / "scripts"
+HERE = Path(__file__).resolve().parent
+SCRIPTS = HERE / "scripts"
+CHECKS = HERE / "checks"
 
 
 class LaunchError(RuntimeError):
@@ -39,16 +50,35 @@ class LaunchTimeout(LaunchError):
 
 
 def script_path(name: str) -> Path:
-    """Return the path of ``companion/scripts/<name>``."""
-    path = SCRIPTS / name
+    """Return the path of ``companion/scripts/<name>`` or ``companion/<name>``.
+
+    ``"ddp_train.py"`` names a script, ``"checks/fsdp_memory.py"`` a check.
+    """
+    path = HERE / name if name.startswith("checks/") else SCRIPTS / name
     if not path.is_file():
         available = ", ".join(
-            sorted(p.name for p in SCRIPTS.glob("*.py") if p.name != "__init__.py")
+            sorted(
+                [p.name for p in SCRIPTS.glob("*.py") if p.name != "__init__.py"]
+                + [
+                    f"checks/{p.name}"
+                    for p in CHECKS.glob("*.py")
+                    if p.name != "__init__.py"
+                ]
+            )
         )
         raise FileNotFoundError(
-            f"There is no script {name!r} in {SCRIPTS}; available: {available}."
+            f"There is no script {name!r} in {path.parent}; available: {available}."
         )
     return path
+
+
+def gpus_for(*nprocs: int | None) -> bool:
+    """Whether runs with each of these process counts can all have a GPU per process.
+
+    ``None`` counts as one process (plain python). Pass the answer as
+    ``launch(..., gpus=...)`` to every run a chapter compares.
+    """
+    return num_gpus() >= max(n or 1 for n in nprocs)
 
 
 def _stop_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
@@ -78,6 +108,7 @@ def launch(
     args: Sequence[str] = (),
     *,
     nproc: int | None = 2,
+    gpus: bool | None = None,
     timeout: float = 300.0,
     env: Mapping[str, str] | None = None,
     results: bool = True,
@@ -89,6 +120,9 @@ def launch(
         args: command-line arguments for the script.
         nproc: processes to start with ``torchrun --standalone``; ``None`` runs
             plain ``python script`` (one process, no launcher).
+        gpus: run on the GPUs (True: there must be one per process), or on
+            the CPU with the GPUs hidden (False); None: on the GPUs when there
+            is one per process, else on the CPU.
         timeout: seconds before the whole process group is stopped.
         env: extra environment variables. ``OMP_NUM_THREADS`` defaults to the
             cores divided by the processes, so processes do not oversubscribe.
@@ -96,7 +130,8 @@ def launch(
             JSON the script writes there; with False, return ``{}``.
 
     Raises:
-        ValueError: ``nproc`` is not a positive whole number or None.
+        ValueError: ``nproc`` is not a positive whole number or None, or
+            ``gpus=True`` on a machine with fewer GPUs than processes.
         LaunchTimeout: the script ran longer than ``timeout``.
         LaunchError: the script exited with an error or wrote no results.
     """
@@ -108,16 +143,19 @@ def launch(
             "python; "
             f"not {nproc!r}."
         )
-    path = (
-        Path(script)
-        if os.sep in str(script) or Path(script).is_file()
-        else script_path(str(script))
-    )
+    path = Path(script) if Path(script).is_file() else script_path(str(script))
     workers = nproc or 1
+    if gpus and not gpus_for(workers):
+        raise ValueError(
+            f"gpus=True needs a GPU for each of the {workers} processes; this "
+            f"machine has {num_gpus()}."
+        )
+    use_gpus = gpus_for(workers) if gpus is None else gpus
     child_env = {
         **os.environ,
         "OMP_NUM_THREADS": str(max(1, cpu_count() // workers)),
         "PYTHONUNBUFFERED": "1",
+        **({} if use_gpus else {"CUDA_VISIBLE_DEVICES": ""}),
         **(env or {}),
     }
     with tempfile.TemporaryDirectory(prefix="launch-") as tmp:

@@ -1,299 +1,95 @@
-"""Smallest useful distributed program: every rank adds its number into a sum.
+"""The smallest useful distributed program: every rank adds its number into a sum.
 
-Launch lines (one process; two; two nodes of two, run on each node; SLURM):
-    python hello_distributed.py
-    torchrun --standalone --nproc-per-node=2 hello_distributed.py
-    torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d \\
-        --rdzv-endpoint=HOST:29500 --rdzv-id=hello hello_distributed.py
-    srun --ntasks=4 python hello_distributed.py
+    python hello_distributed.py                                    # one process
+    torchrun --standalone --nproc-per-node=2 hello_distributed.py  # two, here
+    srun --ntasks=4 python hello_distributed.py  # SLURM, with MASTER_ADDR/PORT set
 
-All processes decide together: nccl with one GPU each when every process has
-a GPU of its own, gloo on the CPUs otherwise. Rank 0 prints the sum and, with
-``--results FILE``, writes it as JSON (world_size, backend, sum).
-
-Exit codes: 0 done; 2 bad input, said in one sentence on stderr by rank 0.
+Exit codes: 0 done; 1 crashed; 2 a bad launch or input, said in one sentence.
 """
 
 import argparse
-import collections
 import datetime
 import json
 import os
-import re
-import socket
 import sys
-import time
-from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
-SCRIPT = Path(__file__).name
-MIN_TORCH = (2, 4)  # init_process_group(device_id=...)
-
-
-class UsageError(Exception):
-    """Bad input: the message is one sentence saying what is wrong and what to do."""
+# ---- set-up: the same in every script of companion/scripts (a test checks it)
 
 
-class RendezvousError(UsageError):
-    """The processes could not meet: only the process that saw it can say so."""
+def fail(message: str) -> None:
+    """End this process with one sentence on stderr and exit code 2."""
+    print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
-def env_rank(local: bool = False) -> int:
-    """This process's (local) rank as its launcher set it; 0 without a launcher."""
-    names = ("LOCAL_RANK", "SLURM_LOCALID") if local else ("RANK", "SLURM_PROCID")
-    return int(os.environ.get(names[0], os.environ.get(names[1], "0")))
+def setup_distributed(timeout_s: float = 600) -> tuple[int, int, int, torch.device]:
+    """Join the process group; return ``rank, local_rank, world_size, device``.
 
-
-def fail(message: str, code: int = 2, printer: bool | None = None) -> None:
-    """Print ``SCRIPT: error: message`` (on rank 0 unless told otherwise) and exit with ``code``."""
-    if env_rank() == 0 if printer is None else printer:
-        print(f"{SCRIPT}: error: {message}", file=sys.stderr, flush=True)
-    sys.exit(code)
-
-
-if tuple(int(n) for n in re.findall(r"\d+", torch.__version__)[:2]) < MIN_TORCH:
-    fail(
-        f"this script needs PyTorch {'.'.join(map(str, MIN_TORCH))} or newer, not "
-        f"{torch.__version__}; "
-        "upgrade it with pip install --upgrade torch."
-    )
-
-import torch.distributed as dist  # noqa: E402 (after the version check)
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        """Print one line on rank 0, not the usage block (``--help`` shows that), and exit with code 2."""
-        fail(message)
-
-
-# ---------------------------------------------------------------- processes
-
-
-def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def first_host(nodelist: str) -> str:
-    """Return the first host of a SLURM node list: ``gpu[07-08,10],cpu1`` -> ``gpu07``; "" if there is none."""
-    first = re.split(r",(?![^\[]*\])", nodelist.strip())[0]
-    return re.sub(r"\[([^\],-]+)[^\]]*\]", r"\1", first)
-
-
-def read_topology() -> tuple[int, int, int]:
-    """Return ``rank, local_rank, world_size``; set MASTER_ADDR and MASTER_PORT if unset.
-
-    From torchrun (RANK, LOCAL_RANK, WORLD_SIZE), else from srun (SLURM_PROCID,
-    SLURM_LOCALID, SLURM_NTASKS; rank 0 runs on the first node of the step,
-    which hosts the rendezvous, on a port derived from the job id), else one process.
+    A process takes GPU ``local_rank`` when its node has one per process (srun
+    --gpus-per-task=1 shows each its own as GPU 0), and the CPU when it has none.
     """
-    env = os.environ
-    if "RANK" in env:
-        return int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"])
-    if "SLURM_PROCID" in env:
-        if "MASTER_ADDR" not in env:
-            nodes = int(env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", "1")))
-            host = (
-                "127.0.0.1"
-                if nodes == 1
-                else first_host(
-                    env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", ""))
-                )
-            )
-            if not host:
-                raise UsageError(
-                    "under SLURM on several nodes the processes meet on the first "
-                    "node, but neither "
-                    "MASTER_ADDR nor a node list (SLURM_JOB_NODELIST) names it; set "
-                    "MASTER_ADDR."
-                )
-            env["MASTER_ADDR"] = host
-        env.setdefault(
-            "MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
+    if torch.__version__ < (2, 10):
+        fail(f"these scripts need PyTorch 2.10 or newer, not {torch.__version__}")
+    env = os.environ  # set by torchrun or srun; plain python is one process
+    rank = int(env.get("RANK", env.get("SLURM_PROCID", 0)))
+    local_rank = int(env.get("LOCAL_RANK", env.get("SLURM_LOCALID", 0)))
+    world_size = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", 1)))
+    per_node = int(env.get("LOCAL_WORLD_SIZE", env.get("SLURM_NTASKS_PER_NODE", 1)))
+    gpus = torch.cuda.device_count()
+    own = gpus == 1 and "RANK" not in env  # srun --gpus-per-task=1, or python
+    gpu = 0 if own else local_rank
+    if not own and 0 < gpus < max(per_node, local_rank + 1):
+        fail(
+            f"{gpus} GPU(s) for {per_node} processes; CUDA_VISIBLE_DEVICES= uses the CPU"
         )
-        return (
-            int(env["SLURM_PROCID"]),
-            int(env["SLURM_LOCALID"]),
-            int(env["SLURM_NTASKS"]),
-        )
-    env.setdefault("MASTER_ADDR", "127.0.0.1")
-    env.setdefault("MASTER_PORT", str(free_port()))  # alone: any free port will do
-    return 0, 0, 1
-
-
-def describe_process(local_rank: int) -> dict:
-    """This process's host and the GPU it would use: ``cuda:(local_rank % GPUs it sees)``.
-
-    Under ``srun --gpus-per-task=1`` each process sees one GPU, its own, as
-    ``cuda:0``; under torchrun every process of a node sees all of its GPUs.
-    """
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    gpu = None
-    if count:
-        index = local_rank % count
-        gpu = {
-            "index": index,
-            "uuid": str(
-                getattr(torch.cuda.get_device_properties(index), "uuid", index)
-            ),
-        }
-    return {"host": socket.gethostname(), "gpu": gpu}
-
-
-def gpu_problem(everyone: list[dict]) -> str:
-    """Why the processes in ``everyone`` cannot each have a GPU of their own ("" if they can)."""
-    without = [i for i, p in enumerate(everyone) if p["gpu"] is None]
-    shared = collections.Counter(
-        (p["host"], p["gpu"]["uuid"]) for p in everyone if p["gpu"]
-    )
-    if len(without) == len(everyone):
-        return "no process sees a GPU"
-    if without:
-        return f"{len(without)} of the {len(everyone)} processes see no GPU (rank {without[0]})"
-    if max(shared.values()) > 1:
-        host = next(h for (h, _), n in shared.items() if n > 1)
-        users = sum(n for (h, _), n in shared.items() if h == host)
-        return f"{host} has {sum(h == host for h, _ in shared)} GPU(s) for {users} processes"
-    return "" if dist.is_nccl_available() else "this PyTorch was built without nccl"
-
-
-def meet(rank: int, world_size: int, timeout: float) -> tuple[dist.Store, list[dict]]:
-    """Reach the rendezvous at MASTER_ADDR:MASTER_PORT; return its store and every process's report."""
-    where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-    try:
-        store, _, _ = next(
-            dist.rendezvous(
-                "env://",
-                rank=rank,
-                world_size=world_size,
-                timeout=datetime.timedelta(seconds=timeout),
-            )
-        )
-    except dist.DistError as err:
-        if "EADDRINUSE" in str(err) or "already in use" in str(err):
-            raise RendezvousError(
-                f"port {where} is already in use; set MASTER_PORT to a free port."
-            ) from None
-        if "waiting for clients" in str(err):
-            joined = re.search(r"(\d+)/(\d+) clients", str(err))
-            count = (
-                f"only {joined[1]} of {joined[2]} processes"
-                if joined
-                else "not every process"
-            )
-            raise RendezvousError(
-                f"{count} reached the rendezvous at {where} within {timeout:g} s; "
-                "start all "
-                "of them, and check that every node can reach that address."
-            ) from None
-        raise RendezvousError(
-            f"cannot reach the rendezvous at {where} within {timeout:g} s; check "
-            "MASTER_ADDR "
-            "and MASTER_PORT, and that rank 0 is running."
-        ) from None
-    # Every process reports its host and GPU; all read all reports, so all decide alike.
-    key = f"{SCRIPT}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-    store.set(f"{key}{rank}", json.dumps(describe_process(env_rank(local=True))))
-    everyone = [json.loads(store.get(f"{key}{r}")) for r in range(world_size)]
-    store.add(f"{key}read", 1)
-    deadline = time.monotonic() + timeout
-    while (
-        rank == 0
-        and store.add(f"{key}read", 0) < world_size
-        and time.monotonic() < deadline
-    ):
-        time.sleep(0.01)  # rank 0 may host the store: it stays until everyone has read
-    return store, everyone
-
-
-def setup_distributed(timeout: float = 600.0) -> tuple[int, int, int, torch.device]:
-    """Join the process group and return ``rank, local_rank, world_size, device``.
-
-    Every process reports its GPU at the rendezvous and all take the same
-    decision: nccl and a GPU each when every process has a GPU of its own,
-    else gloo on the CPU for all (a mix of the two would hang).
-    """
-    rank, local_rank, world_size = read_topology()
-    store, everyone = meet(rank, world_size, timeout)
-    problem = gpu_problem(everyone)
-    if problem:
-        device, backend = torch.device("cpu"), "gloo"
-        if any(p["gpu"] for p in everyone) and rank == 0:
-            print(
-                f"{SCRIPT}: note: {problem}, so every process runs on the CPU with "
-                "gloo.",
-                flush=True,
-            )
-    else:
-        device, backend = (
-            torch.device("cuda", local_rank % torch.cuda.device_count()),
-            "nccl",
-        )
+    device = torch.device("cuda", gpu) if gpus else torch.device("cpu")
+    if gpus:
         torch.cuda.set_device(device)
-    dist.init_process_group(
-        backend,
-        store=dist.PrefixStore("default_pg", store),
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout),
-        device_id=device if device.type == "cuda" else None,
-    )
+    try:
+        dist.init_process_group(
+            dist.get_default_backend_for_device(device),
+            store=dist.HashStore() if world_size == 1 else None,  # alone: no port
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if gpus else None,
+        )
+    except (dist.DistError, ValueError) as err:  # a busy port, a missing rank
+        fail(f"the processes did not meet: {str(err).strip().splitlines()[0]}")
     return rank, local_rank, world_size, device
 
 
-def run_main(main) -> None:
-    """Call ``main()``; a UsageError ends every process with exit code 2 and one sentence."""
-    try:
-        main()
-    except UsageError as err:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        # Errors the processes agree on are said by rank 0; one that stopped them
-        # from meeting, by the first process of each node that saw it.
-        fail(str(err), printer=env_rank(local=isinstance(err, RendezvousError)) == 0)
+def where_it_ran(device: torch.device) -> dict:
+    """The device, backend and threads a result was measured with."""
+    backend, threads = dist.get_backend(), torch.get_num_threads()
+    return {"device": device.type, "backend": backend, "threads": threads}
 
 
+# ---- end of set-up
+
+
+@record
 def main() -> None:
-    parser = ArgumentParser(
-        prog=SCRIPT,
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=600.0,
-        help="seconds to wait for the other processes (default: 600, PyTorch's own)",
-    )
-    parser.add_argument(
-        "--results", default="", help="JSON file rank 0 writes (default: none)"
-    )
+    parser.add_argument("--timeout", type=float, default=600, help="seconds to wait")
+    parser.add_argument("--results", help="a JSON file for rank 0's results")
     args = parser.parse_args()
-
     rank, _, world_size, device = setup_distributed(args.timeout)
-    value = torch.tensor([float(rank + 1)], device=device)
-    dist.all_reduce(value)  # sum over ranks: 1 + 2 + ... + world_size
+    value = torch.tensor([rank + 1.0], device=device)
+    dist.all_reduce(value)  # the sum over ranks: 1 + 2 + ... + world_size
     if rank == 0:
-        print(
-            f"[rank 0] {world_size} process(es), backend {dist.get_backend()}: sum = "
-            f"{value.item():g}"
-        )
+        print(f"{world_size} process(es) on {device.type}: sum = {value.item():g}")
         if args.results:
             with open(args.results, "w") as f:
-                json.dump(
-                    {
-                        "world_size": world_size,
-                        "backend": dist.get_backend(),
-                        "sum": value.item(),
-                    },
-                    f,
-                )
+                json.dump({**where_it_ran(device), "sum": value.item()}, f)
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    run_main(main)
+    main()

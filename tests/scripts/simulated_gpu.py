@@ -1,0 +1,327 @@
+"""Run a script as if every process had a GPU of its own, on a machine without one.
+
+    python tests/scripts/simulated_gpu.py SCRIPT [ARGS ...]
+    python -m torch.distributed.run --nproc-per-node=2 tests/scripts/simulated_gpu.py SCRIPT [ARGS ...]
+
+The script takes its GPU path (``torch.cuda.device_count()`` says there is one
+GPU per process, or ``SIMULATED_GPUS``), asks for the nccl backend, puts its
+model and batches on ``cuda:LOCAL_RANK``, and trains for real: the tensors are
+on the CPU and the collectives go through gloo. Meanwhile every tensor
+remembers where it would live on a real GPU machine, and the simulation fails,
+with the error CUDA or nccl would raise, when the script
+
+- passes a tensor that lives on the CPU to a collective (nccl has no CPU
+  backend: "No backend type associated with device type cpu");
+- computes with a CPU tensor and a GPU tensor together ("Expected all tensors
+  to be on the same device"), 0-dim CPU tensors excepted as in CUDA;
+- calls ``torch.load`` without ``map_location`` (a checkpoint saved on
+  ``cuda:1`` would load onto ``cuda:1``);
+- chooses another backend than nccl for its GPU.
+
+How a tensor's place is known: a ``TorchFunctionMode`` sees every torch call.
+It rewrites ``cuda`` devices to the CPU, and marks the storage of what a call
+returns: "gpu" when the call put it on a ``cuda`` device or computed it from a
+GPU tensor, "cpu" when the call made it on the CPU (a factory with no device,
+``.cpu()``), and nothing when torch's own code made it on a device it was
+given (in the simulation torch's internals get the CPU where they would get
+the GPU, so their tensors are not judged). ``.to("cuda")`` copies, as on a
+real GPU, so a forgotten reassignment shows. Written for
+``tests/test_simulated_gpu.py``; the scripts' tests run every script under it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import runpy
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+TORCH_DIR = str(Path(torch.__file__).parent)
+HERE = str(Path(__file__).resolve())
+GPU, CPU = "gpu", "cpu"
+_places: dict[int, tuple[str, StorageWeakRef]] = {}
+
+
+class SimulationError(RuntimeError):
+    """What CUDA or nccl would have raised on a real GPU."""
+
+
+def _storage(t: torch.Tensor):
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # wrapper subclasses (DTensor)
+        return None
+
+
+def place_of(t: torch.Tensor) -> str | None:
+    """Where ``t`` would live on a GPU machine: "gpu", "cpu", or None (not known)."""
+    storage = _storage(t)
+    if storage is None:
+        return None
+    ref = StorageWeakRef(storage)
+    known = _places.get(ref.cdata)
+    return known[0] if known and not known[1].expired() else None
+
+
+def mark(t: torch.Tensor, place: str | None) -> None:
+    storage = _storage(t)
+    if storage is not None and place is not None:
+        ref = StorageWeakRef(storage)
+        _places[ref.cdata] = (place, ref)
+
+
+def _is_cuda(device: object) -> bool:
+    return isinstance(device, (str, torch.device)) and str(device).startswith("cuda")
+
+
+def _is_cpu(device: object) -> bool:
+    return isinstance(device, (str, torch.device)) and str(device).startswith("cpu")
+
+
+def _to_cpu(value: object) -> object:
+    return torch.device("cpu") if _is_cuda(value) else value
+
+
+def _from_user_code() -> bool:
+    """Whether the torch call being handled was made by code outside torch."""
+    frame = sys._getframe(2)
+    while frame and frame.f_code.co_filename == __file__:
+        frame = frame.f_back
+    return frame is not None and not frame.f_code.co_filename.startswith(TORCH_DIR)
+
+
+def _tensors(values) -> list[torch.Tensor]:
+    return [v for v in tree_flatten(values)[0] if isinstance(v, torch.Tensor)]
+
+
+NAMING = {torch.device, torch._C._nn._parse_to}
+PROPERTIES = {
+    torch.Tensor.device.__get__: lambda: torch.device("cuda", torch.cuda.current_device()),
+    torch.Tensor.is_cuda.__get__: lambda: True,
+    torch.Tensor.get_device: lambda: torch.cuda.current_device(),
+}
+MOVES = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu}
+UNCHECKED = {torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch.Tensor.copy_}
+
+
+class SimulatedGPU(TorchFunctionMode):
+    """Keep every tensor on the CPU while tracking where it would live on a GPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in NAMING:  # naming a GPU is allowed; using one is simulated
+            return func(*args, **kwargs)
+        if func in MOVES:
+            return self._move(func, args, kwargs)
+        if func in PROPERTIES and _from_user_code() and place_of(args[0]) == GPU:
+            return PROPERTIES[func]()  # the script sees its GPU; torch sees the CPU
+        wants_gpu = any(_is_cuda(v) for v in tree_flatten((args, kwargs))[0])
+        wants_cpu = any(_is_cpu(v) for v in tree_flatten((args, kwargs))[0])
+        args, kwargs = tree_map(_to_cpu, (args, kwargs))
+        inputs = _tensors((args, kwargs))
+        places = {place_of(t) for t in inputs}
+        out = func(*args, **kwargs)
+        if GPU in places and func not in UNCHECKED and _tensors(out):
+            if any(place_of(t) == CPU and t.dim() > 0 for t in inputs):
+                raise SimulationError(
+                    f"{getattr(func, '__name__', func)}: Expected all tensors to be on "
+                    "the same device, but found at least two devices, cuda:0 and cpu!"
+                )
+        if wants_gpu or (GPU in places and not wants_cpu):
+            place = GPU
+        elif wants_cpu or inputs:
+            place = CPU if (wants_cpu or places == {CPU}) else None
+            if wants_cpu and not _from_user_code():
+                place = (
+                    None  # torch's internals use the CPU where they would use the GPU
+                )
+        else:  # a factory with no device: the CPU, on every machine
+            place = CPU
+        for t in _tensors(out):
+            if place_of(t) is None or place is not None:
+                mark(t, place)
+        return out
+
+    def _move(self, func, args, kwargs):
+        source, rest = args[0], args[1:]
+        values = tree_flatten((rest, kwargs))[0]
+        other = next((v for v in values if isinstance(v, torch.Tensor)), None)
+        if func is torch.Tensor.cuda or any(_is_cuda(v) for v in values):
+            target = GPU
+        elif func is torch.Tensor.cpu or any(_is_cpu(v) for v in values):
+            target = CPU if _from_user_code() else None
+        elif other is not None:
+            target = place_of(other)
+        else:  # a dtype change: it stays where it is
+            target = place_of(source)
+        rest, kwargs = tree_map(_to_cpu, (rest, kwargs))
+        if func is torch.Tensor.cuda:
+            out = source.to(
+                *[a for a in rest if not isinstance(a, int)],
+                **{k: v for k, v in kwargs.items() if k != "device"},
+            )
+        elif func is torch.Tensor.cpu:
+            out = source
+        else:
+            out = func(source, *rest, **kwargs)
+        moves = target is not None and target != place_of(source)
+        if (
+            moves
+            and out.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()
+        ):
+            out = out.clone()  # a real move to another device copies
+        mark(out, target)
+        return out
+
+
+def _check_collective(name: str, fn):
+    @functools.wraps(fn)
+    def checked(*args, **kwargs):
+        tensors = _tensors((args, kwargs))
+        for p2p in [
+            a for a in tree_flatten((args, kwargs))[0] if isinstance(a, dist.P2POp)
+        ]:
+            tensors.append(p2p.tensor)
+        for t in tensors:
+            if place_of(t) == CPU:
+                raise SimulationError(
+                    f"dist.{name} on a CPU tensor under nccl: No backend type "
+                    "associated with device type cpu"
+                )
+        return fn(*args, **kwargs)
+
+    return checked
+
+
+COLLECTIVES = (
+    "all_reduce",
+    "reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+    "gather",
+    "scatter",
+)
+
+
+class FakeEvent:
+    """``torch.cuda.Event`` with the host clock (everything ran when recorded)."""
+
+    def __init__(self, enable_timing: bool = False, **_: object) -> None:
+        self.time = None
+
+    def record(self, stream: object = None) -> None:
+        self.time = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        return (end.time - self.time) * 1000.0
+
+
+def install(gpus: int) -> None:
+    """Patch torch so that the script sees ``gpus`` GPUs and runs on the CPU."""
+    cuda = torch.cuda  # is_available() stays False, so that torch's internals
+    cuda.device_count = lambda: gpus  # never reach for a CUDA driver
+    current = {"index": 0}
+    cuda.set_device = lambda d: current.update(
+        index=torch.device(d, 0).index or 0
+        if isinstance(d, str)
+        else getattr(d, "index", d) or 0
+    )
+    cuda.current_device = lambda: current["index"]
+    cuda.synchronize = lambda device=None: None
+    cuda.get_device_name = lambda device=None: "Simulated GPU"
+    cuda.is_bf16_supported = lambda *a, **k: True
+    for name in (
+        "max_memory_allocated",
+        "memory_allocated",
+        "max_memory_reserved",
+        "memory_reserved",
+    ):
+        setattr(cuda, name, lambda device=None: 0)
+    cuda.reset_peak_memory_stats = lambda device=None: None
+    cuda.empty_cache = lambda: None
+    cuda.Event = FakeEvent
+    cuda.manual_seed = cuda.manual_seed_all = lambda seed: None
+
+    original_init = dist.init_process_group
+
+    def init_process_group(backend=None, *args, device_id=None, **kwargs):
+        if device_id is not None and backend not in ("nccl", None):
+            raise SimulationError(
+                f"a GPU process asked for the {backend} backend, not nccl"
+            )
+        return original_init("gloo", *args, **kwargs)
+
+    dist.init_process_group = init_process_group
+    dist.get_backend = functools.partial(
+        lambda fn, group=None: "nccl" if fn(group) == "gloo" else fn(group),
+        dist.get_backend,
+    )
+    for name in COLLECTIVES:
+        setattr(dist, name, _check_collective(name, getattr(dist, name)))
+
+    from torch.distributed import device_mesh
+    from torch.nn.parallel import DistributedDataParallel
+
+    original_mesh = device_mesh.init_device_mesh
+
+    def init_device_mesh(device_type, *args, **kwargs):
+        return original_mesh(
+            "cpu" if device_type == "cuda" else device_type, *args, **kwargs
+        )
+
+    device_mesh.init_device_mesh = init_device_mesh
+    dist.init_device_mesh = init_device_mesh
+    original_ddp = DistributedDataParallel.__init__
+
+    def ddp_init(self, module, device_ids=None, output_device=None, *args, **kwargs):
+        original_ddp(self, module, None, None, *args, **kwargs)
+
+    DistributedDataParallel.__init__ = ddp_init
+    original_load = torch.load
+
+    def load(f, map_location=None, *args, **kwargs):
+        if map_location is None:
+            raise SimulationError(
+                "torch.load without map_location: a file saved on another GPU "
+                "would load onto that GPU"
+            )
+        return original_load(f, tree_map(_to_cpu, map_location), *args, **kwargs)
+
+    torch.load = load
+
+
+def main() -> None:
+    if len(sys.argv) < 2:
+        sys.exit(f"usage: {Path(__file__).name} SCRIPT [ARGS ...]")
+    script = sys.argv[1]
+    gpus = int(os.environ.get("SIMULATED_GPUS", os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    install(gpus)
+    sys.argv = sys.argv[1:]
+    sys.path.insert(0, str(Path(script).resolve().parent))
+    with SimulatedGPU():
+        runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,242 @@
+"""Every script in companion/scripts: one set-up block, short files, one-sentence errors.
+
+A reader copies a script to a cluster, so each carries the same short set-up
+block (copied from ``hello_distributed.py``); these tests keep the copies
+identical, count the lines, and check the block's decisions for the launches
+a reader makes: torchrun, srun, plain python, with and without GPUs (the GPUs
+faked: ``torch.cuda.device_count`` and ``init_process_group`` are replaced,
+so nothing starts), and for real on this machine: a missing rank and a busy
+port end in one sentence, and torchrun's failure summary names the root cause
+because ``main`` carries ``@record``.
+"""
+
+from __future__ import annotations
+
+import ast
+import datetime
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.torch_version import TorchVersion
+
+from companion.scripts import hello_distributed
+
+SCRIPTS = Path(hello_distributed.__file__).parent
+ALL = sorted(p for p in SCRIPTS.glob("*.py") if p.name != "__init__.py")
+START, END = "# ---- set-up:", "# ---- end of set-up"
+# The chapters' scripts before issue 28 (ddp_train.py ... tensor_parallel_gpt.py).
+ORIGINAL_NINE = {
+    "convnext_sharded.py", "ddp_resnet.py", "ddp_train.py", "dtensor_basics.py",
+    "fsdp_gpt.py", "hello_distributed.py", "pipeline_gpt.py",
+    "spmd_data_parallel.py", "tensor_parallel_gpt.py",
+}  # fmt: skip
+LAUNCHER = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+    "MASTER_PORT", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS",
+    "SLURM_NTASKS_PER_NODE",
+)  # fmt: skip
+
+
+def setup_block(path: Path) -> str:
+    text = path.read_text()
+    if START not in text or END not in text:
+        return ""
+    return text[text.index(START) : text.index(END)]
+
+
+def code_lines(path: Path) -> int:
+    """Lines that are not blank."""
+    return sum(1 for line in path.read_text().splitlines() if line.strip())
+
+
+@pytest.mark.parametrize("path", ALL, ids=lambda p: p.name)
+def test_every_script_carries_the_same_setup_block(path):
+    block = setup_block(path)
+    assert block, f"{path.name} has no set-up block between {START!r} and {END!r}"
+    assert block == setup_block(SCRIPTS / "hello_distributed.py"), (
+        f"{path.name}'s set-up block differs from hello_distributed.py's: "
+        "copy it from there"
+    )
+
+
+@pytest.mark.parametrize("path", ALL, ids=lambda p: p.name)
+def test_scripts_import_only_torch_and_the_standard_library(path):
+    tree = ast.parse(path.read_text())
+    roots = {
+        (node.module if isinstance(node, ast.ImportFrom) else alias.name).split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in node.names
+    }
+    assert roots <= set(sys.stdlib_module_names) | {"torch"}, roots
+
+
+@pytest.mark.parametrize("path", ALL, ids=lambda p: p.name)
+def test_main_is_recorded_for_torchrun(path):
+    """torchrun's failure summary names the root cause only for ``@record`` entry points."""
+    tree = ast.parse(path.read_text())
+    main = next(
+        n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"
+    )
+    assert [ast.unparse(d) for d in main.decorator_list] == ["record"]
+
+
+def test_the_scripts_are_short():
+    lines = {p.name: code_lines(p) for p in ALL}
+    assert lines["hello_distributed.py"] < 80, lines
+    assert max(lines.values()) <= 500, lines
+    assert sum(lines[name] for name in ORIGINAL_NINE) <= 3500, lines
+
+
+@pytest.mark.parametrize("path", ALL, ids=lambda p: p.name)
+def test_help_shows_launch_lines_and_exit_codes(path):
+    text = subprocess.run(
+        [sys.executable, path, "--help"], capture_output=True, text=True, timeout=60
+    ).stdout
+    assert f"torchrun --standalone --nproc-per-node=" in text
+    assert "srun" in text and "Exit codes:" in text and "--timeout" in text
+
+
+# ---------------------------------------------------------------- decisions
+
+
+class Recorded(Exception):
+    pass
+
+
+@pytest.fixture
+def decide(monkeypatch):
+    """Run the set-up block for a launch: ``decide(env, gpus)`` -> what it chose."""
+
+    def run(env: dict[str, str], gpus: int) -> dict:
+        for name in LAUNCHER:
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+        monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+        chosen: dict = {}
+
+        def init_process_group(backend, **kwargs):
+            chosen.update(backend=backend, **kwargs)
+            raise Recorded
+
+        monkeypatch.setattr(dist, "init_process_group", init_process_group)
+        try:
+            hello_distributed.setup_distributed(timeout_s=5)
+        except Recorded:
+            pass
+        except SystemExit as stop:
+            chosen["exit_code"] = stop.code
+        return chosen
+
+    return run
+
+
+def torchrun(rank: int, per_node: int, world: int | None = None) -> dict[str, str]:
+    world = world or per_node
+    return {
+        "RANK": str(rank), "LOCAL_RANK": str(rank % per_node), "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(per_node), "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+    }  # fmt: skip
+
+
+def srun(rank: int, per_node: int, world: int) -> dict[str, str]:
+    return {
+        "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank % per_node),
+        "SLURM_NTASKS": str(world), "SLURM_NTASKS_PER_NODE": str(per_node),
+        "MASTER_ADDR": "node1", "MASTER_PORT": "29500",
+    }  # fmt: skip
+
+
+def test_plain_python_is_one_process_without_a_port(decide):
+    chosen = decide({}, gpus=0)
+    assert chosen["backend"] == "gloo" and chosen["world_size"] == 1
+    assert isinstance(chosen["store"], dist.HashStore) and chosen["device_id"] is None
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_torchrun_without_gpus_uses_the_cpu(decide, rank):
+    chosen = decide(torchrun(rank, 2), gpus=0)
+    assert chosen["backend"] == "gloo" and chosen["device_id"] is None
+    assert chosen["rank"] == rank and chosen["store"] is None  # env://
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2, 3])
+def test_torchrun_with_a_gpu_per_process_uses_nccl(decide, rank):
+    chosen = decide(torchrun(rank, per_node=2, world=4), gpus=2)
+    assert chosen["backend"] == "nccl"
+    assert chosen["device_id"] == torch.device("cuda", rank % 2)
+    assert chosen["timeout"] == datetime.timedelta(seconds=5)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_too_few_gpus_is_refused_on_every_rank(decide, capsys, rank):
+    chosen = decide(torchrun(rank, 2), gpus=1)
+    assert chosen == {"exit_code": 2}
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "1 GPU(s) for 2 processes" in err
+    assert "CUDA_VISIBLE_DEVICES=" in err
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2, 3])
+def test_srun_with_a_gpu_per_task_uses_each_tasks_own(decide, rank):
+    """``srun --gpus-per-task=1``: every task sees one GPU, its own, as GPU 0."""
+    chosen = decide(srun(rank, per_node=2, world=4), gpus=1)
+    assert chosen["backend"] == "nccl" and chosen["device_id"] == torch.device(
+        "cuda", 0
+    )
+    assert chosen["rank"] == rank and chosen["world_size"] == 4
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_srun_seeing_every_gpu_of_the_node_takes_its_local_one(decide, rank):
+    chosen = decide(srun(rank, per_node=2, world=4), gpus=2)
+    assert chosen["device_id"] == torch.device("cuda", rank % 2)
+
+
+def test_an_old_torch_is_one_sentence(decide, monkeypatch, capsys):
+    monkeypatch.setattr(torch, "__version__", TorchVersion("2.9.1"))
+    assert decide({}, gpus=0) == {"exit_code": 2}
+    assert "need PyTorch 2.10 or newer, not 2.9.1" in capsys.readouterr().err
+
+
+# ------------------------------------------------------- real failures, here
+
+
+def run_hello(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if k not in LAUNCHER}
+    return subprocess.run(
+        [sys.executable, SCRIPTS / "hello_distributed.py", *args],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_a_missing_rank_is_one_sentence_after_the_timeout():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = run_hello({**torchrun(0, 2), "MASTER_PORT": str(port)}, "--timeout", "2")
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("hello_distributed.py: error: the processes did not")
+    assert "1/2 clients joined" in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_a_busy_port_is_one_sentence():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        proc = run_hello({**torchrun(0, 2), "MASTER_PORT": str(port)}, "--timeout", "2")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("hello_distributed.py: error: the processes did not")
