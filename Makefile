@@ -9,7 +9,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: book test test-slow test-portable test-browser unit notebooks execute doctor clean
+.PHONY: book test test-slow test-portable test-browser test-gpu test-oldest unit notebooks execute doctor clean
 
 $(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,32 @@ test-slow: $(STAMP)
 # nbval again under another CPU kernel path and thread count (see the script).
 test-portable: $(STAMP)
 	bash tools/run_portable.sh
+
+# On a machine with CUDA GPUs: every script under torchrun on nccl, every chapter
+# executed with its verdicts compared to the stored CPU ones, the CUDA-only
+# tests (tools/gpu_check.py). Under 15 minutes on one H100.
+test-gpu: $(STAMP)
+	$(BIN)/python tools/gpu_check.py
+
+# The oldest torch the course supports (pyproject.toml), in a second
+# environment: the unit and script tests, then every chapter executed there with
+# its verdicts compared to the stored ones (tools/verdict_parity.py).
+OLDEST := .venv-oldest
+OLDEST_TORCH := 2.10.0
+OLDEST_TORCHVISION := 0.25.0
+$(OLDEST)/.installed: requirements.txt requirements-nodeps.txt pyproject.toml
+	$(PYTHON) -m venv $(OLDEST)
+	$(OLDEST)/bin/pip install --quiet --upgrade pip
+	sed -e 's/^torch==.*/torch==$(OLDEST_TORCH)/' \
+	    -e 's/^torchvision==.*/torchvision==$(OLDEST_TORCHVISION)/' \
+	    requirements.txt > $(OLDEST)/requirements.txt
+	$(OLDEST)/bin/pip install --quiet -r $(OLDEST)/requirements.txt
+	$(OLDEST)/bin/pip install --quiet --no-deps -r requirements-nodeps.txt
+	$(OLDEST)/bin/pip install --quiet --no-deps --no-build-isolation -e .
+	touch $@
+
+test-oldest: $(STAMP) $(OLDEST)/.installed
+	bash tools/run_oldest.sh
 
 # The built book in headless Chromium: images, links, console, block widths,
 # output blocks, progress bars, captions, offline math, launch buttons; and

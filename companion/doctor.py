@@ -16,7 +16,12 @@ import torch.distributed as dist
 
 from companion.devices import cpu_count, cpu_name, get_backend, num_gpus
 
-__all__ = ["collect_report", "main"]
+__all__ = ["PYTHON_FLOOR", "TORCH_TESTED", "collect_report", "main", "version_warnings"]
+
+# The range the course is tested with: the oldest torch (make test-oldest)
+# and the pinned one (requirements.txt); pyproject.toml declares the floor.
+TORCH_TESTED = ((2, 10), (2, 14))
+PYTHON_FLOOR = (3, 11)
 
 
 def _version(package: str) -> str:
@@ -65,6 +70,31 @@ def collect_report() -> dict[str, str]:
     return report
 
 
+def version_warnings(
+    torch_version: str = torch.__version__, python: tuple = sys.version_info[:2]
+) -> list[str]:
+    """One sentence per version outside the range the course is tested with."""
+    ours = tuple(int(part) for part in torch_version.split("+")[0].split(".")[:2])
+    low, high = TORCH_TESTED
+    said = []
+    if not low <= ours <= high:
+        said.append(
+            f"Warning: torch {torch_version} is outside the range the course is tested "
+            f"with ({low[0]}.{low[1]} to {high[0]}.{high[1]}); "
+            + (
+                "install a newer one (pip install -r requirements.txt)."
+                if ours < low
+                else "chapters may print what their stored outputs do not."
+            )
+        )
+    if tuple(python) < PYTHON_FLOOR:
+        said.append(
+            f"Warning: Python {python[0]}.{python[1]} is older than the "
+            f"{PYTHON_FLOOR[0]}.{PYTHON_FLOOR[1]} the course needs."
+        )
+    return said
+
+
 def _advice(report: dict[str, str]) -> list[str]:
     gpus = int(report["GPUs"])
     if gpus == 0:
@@ -78,8 +108,8 @@ def _advice(report: dict[str, str]) -> list[str]:
     elif gpus == 1:
         lines = [
             (
-                "One GPU: chapters run on cuda:0; multi-device chapters fall back to "
-                "processes on it."
+                "One GPU: chapters run on cuda:0; runs of several processes use the "
+                "CPU and gloo (nccl needs a GPU per process)."
             )
         ]
     else:
@@ -100,7 +130,7 @@ def main() -> None:
     print("companion doctor: what this machine offers the course")
     for key, value in report.items():
         print(f"  {key:<{width}}  {value}")
-    for line in _advice(report):
+    for line in version_warnings() + _advice(report):
         print(f"- {line}")
     sys.stdout.flush()
 

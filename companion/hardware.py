@@ -27,6 +27,7 @@ from companion.timing import benchmark, format_ratio
 
 __all__ = [
     "BF16_MATMUL_FLAGS",
+    "UNKNOWN",
     "FP32_FLOPS_PER_CYCLE",
     "bf16_matmul_support",
     "cpu_flags",
@@ -46,33 +47,44 @@ __all__ = [
 FP32_FLOPS_PER_CYCLE = {"AVX512": 64, "AVX2": 32}
 
 # CPU flags (as /proc/cpuinfo names them) of instructions that multiply
-# bfloat16 matrices natively: Intel's AMX tiles, and AVX-512 BF16 dot products.
-# Without either, PyTorch converts bfloat16 to float32 and back around the work.
-BF16_MATMUL_FLAGS = ("amx_bf16", "avx512_bf16")
+# bfloat16 matrices natively: Intel's AMX tiles and AVX-512 BF16 dot products
+# on x86, the BF16 extension (BFMMLA) on Arm. Without any of them, PyTorch
+# converts bfloat16 to float32 and back around the work.
+BF16_MATMUL_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")
+UNKNOWN = (
+    "unknown"  # what bf16_matmul_support says where the CPU's flags cannot be read
+)
 
 _CPUFREQ_MAX = "/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq"
 _CPUINFO = "/proc/cpuinfo"
 
 
-def cpu_flags(cpuinfo: str | Path = _CPUINFO) -> set[str]:
-    """Return the CPU's feature flags from ``/proc/cpuinfo`` (empty where there is none)."""
+def cpu_flags(cpuinfo: str | Path = _CPUINFO) -> set[str] | None:
+    """Return the CPU's feature flags from ``/proc/cpuinfo``, or None where there are none.
+
+    x86 lists them on ``flags`` lines, Arm on ``Features`` lines; macOS and
+    Windows have no ``/proc/cpuinfo``.
+    """
     try:
         with open(cpuinfo, encoding="utf-8") as f:
             for line in f:
-                if line.startswith("flags"):
+                if line.startswith(("flags", "Features")):
                     return set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return None
 
 
 def bf16_matmul_support(cpuinfo: str | Path = _CPUINFO) -> str | None:
-    """Return the first of ``BF16_MATMUL_FLAGS`` this CPU has, or None.
+    """Return the first of ``BF16_MATMUL_FLAGS`` this CPU has, None, or ``UNKNOWN``.
 
-    Used in chapter 01 to say whether bfloat16 matrix products should be
-    faster than float32 ones on this CPU.
+    ``UNKNOWN`` where the flags cannot be read: a verdict that depends on
+    them then says it was not judged. Used in chapters 01 and 12 to say
+    whether bfloat16 matrix products should be faster than float32 ones.
     """
     flags = cpu_flags(cpuinfo)
+    if flags is None:
+        return UNKNOWN
     return next((flag for flag in BF16_MATMUL_FLAGS if flag in flags), None)
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -37,6 +38,8 @@ from companion.devices import cpu_count, num_gpus
 __all__ = ["LaunchError", "LaunchTimeout", "gpus_for", "launch", "script_path"]
 
 HERE = Path(__file__).resolve().parent
+# A diagnostic that gloo prints on stdout in some torch versions (2.10 among them).
+GLOO_PEERS = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
 SCRIPTS = HERE / "scripts"
 CHECKS = HERE / "checks"
 
@@ -197,6 +200,8 @@ def launch(
             for line in proc.stdout:
                 if timed_out.is_set():
                     continue  # the dying processes' complaints about SIGTERM
+                if GLOO_PEERS.match(line):
+                    continue  # torch 2.10's gloo says so on stdout, every process
                 print(line, end="", flush=True)
                 tail.append(line.rstrip())
             returncode = proc.wait()

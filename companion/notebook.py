@@ -7,11 +7,18 @@ from __future__ import annotations
 
 import logging
 import random
+import warnings
 
 import numpy as np
 import torch
 
-__all__ = ["CourseError", "setup_notebook", "set_seed"]
+__all__ = ["INDUCTOR_NOTES", "CourseError", "setup_notebook", "set_seed"]
+
+# Inductor's advice that setup_notebook silences (regular expressions).
+INDUCTOR_NOTES = (
+    r".*TensorFloat32 tensor cores .* available but not enabled",
+    r".*[Oo]nline softmax is disabled",
+)
 
 
 class CourseError(Exception):
@@ -56,11 +63,21 @@ def setup_notebook(seed: int = 0) -> None:
     - figures: PNG at twice the resolution ("retina"), shown at their size, so
       they stay sharp on high-DPI screens (nbval does not compare images; SVG
       would carry random ids);
-    - ``torch.compile``'s "No CUDA runtime is found" log line on CPU-only
-      machines is silenced, because nbval compares stderr too;
+    - ``float32`` matrix products stay in full precision on GPUs too
+      (``torch.set_float32_matmul_precision("highest")``, PyTorch's default,
+      set explicitly): chapters compare float32 results with tolerances that
+      TF32 tensor cores would not meet;
+    - known noise is silenced, because nbval compares stderr too:
+      ``torch.compile``'s "No CUDA runtime is found" log line on CPU-only
+      machines, and Inductor's advice on GPUs to enable TF32 (declined above)
+      and its note that it split a softmax reduction (PyTorch 2.6 to 2.13
+      print both as warnings, 2.14 only logs them);
     - errors that carry a one-sentence message are shown without traceback.
     """
     set_seed(seed)
+    torch.set_float32_matmul_precision("highest")
+    for message in INDUCTOR_NOTES:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
     try:
         from matplotlib_inline.backend_inline import set_matplotlib_formats
 

@@ -189,12 +189,12 @@ def test_every_chapter_starts_with_the_current_colab_cell():
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def run_cell_in(source: str, modules: dict) -> list[tuple[str, str]]:
+def run_cell_in(source: str, modules: dict, calls: list | None = None) -> list:
     """Run a cell's code as IPython would, with ``modules`` importable; return the
-    line magics it called."""
+    line magics it called (also in ``calls``, when the cell raises)."""
     from IPython.core.inputtransformer2 import TransformerManager
 
-    calls = []
+    calls = [] if calls is None else calls
     shell = SimpleNamespace(
         run_line_magic=lambda name, line: calls.append((name, line))
     )
@@ -219,12 +219,26 @@ def test_the_colab_cell_installs_from_the_repository_in_colab_only(needs_d2l):
         "https://github.com/someone/course", "main", needs_d2l=needs_d2l
     )
     colab = {"google.colab": SimpleNamespace(), "google": SimpleNamespace()}
-    (magic,) = run_cell_in(source, colab)
+    (magic,) = run_cell_in(source, colab)  # with this machine's torch, new enough
     assert magic[0] == "pip"
     assert magic[1].startswith("install --quiet --no-deps ")
     assert '"companion @ git+https://github.com/someone/course@main"' in magic[1]
     assert ("d2l==1.0.3" in magic[1].split()) == needs_d2l
     assert run_cell_in(source, {}) == []  # anywhere else: nothing
+
+
+def test_in_colab_an_old_torch_is_replaced_first():
+    from torch.torch_version import TorchVersion
+
+    tool = load_colab_tool()
+    source = tool.colab_cell_source("https://github.com/a/b", "main", needs_d2l=False)
+    old_torch = SimpleNamespace(__version__=TorchVersion("2.9.0"))
+    colab = {"google.colab": SimpleNamespace(), "google": SimpleNamespace(),
+             "torch": old_torch}  # fmt: skip
+    calls = []
+    with pytest.raises(SystemExit, match="restart the session"):
+        run_cell_in(source, colab, calls)
+    assert calls == [("pip", 'install --quiet "torch>=2.10" torchvision')]
 
 
 def test_without_an_address_the_colab_cell_stops_in_colab_with_one_sentence():

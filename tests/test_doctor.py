@@ -3,6 +3,7 @@
 import platform
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -148,11 +149,8 @@ NO_GPU = (
             "1",
             4,
             [
-                (
-                    "One GPU: chapters run on cuda:0; multi-device chapters fall back "
-                    "to "
-                    "processes on it."
-                )
+                "One GPU: chapters run on cuda:0; runs of several processes use "
+                "the CPU and gloo (nccl needs a GPU per process)."
             ],
         ),
         (
@@ -181,16 +179,15 @@ def test_main_prints_aligned_report_then_advice(monkeypatch, capsys):
         lambda: {"torch": "2.0", "GPUs": "1", "Long name": "x"},
     )
     monkeypatch.setattr(doctor, "cpu_count", lambda: 16)
+    monkeypatch.setattr(doctor, "version_warnings", lambda: [])
     doctor.main()
     assert capsys.readouterr().out.splitlines() == [
         "companion doctor: what this machine offers the course",
         "  torch      2.0",
         "  GPUs       1",
         "  Long name  x",
-        (
-            "- One GPU: chapters run on cuda:0; multi-device chapters fall back to "
-            "processes on it."
-        ),
+        "- One GPU: chapters run on cuda:0; runs of several processes use the CPU "
+        "and gloo (nccl needs a GPU per process).",
     ]
 
 
@@ -207,3 +204,30 @@ def test_doctor_command_prints_report_and_advice():
     for key in ("torch", "GPUs", "Distributed backends", "Intra-op threads", "CPU"):
         assert any(line.strip().startswith(key) for line in lines), key
     assert any(line.startswith("- ") for line in lines)  # at least one line of advice
+
+
+@pytest.mark.parametrize(
+    "torch_version, python, said",
+    [
+        ("2.14.1+cu130", (3, 11), []),
+        ("2.10.0", (3, 12), []),
+        ("2.9.1", (3, 11), ["torch 2.9.1 is outside", "install a newer one"]),
+        ("2.16.0", (3, 11), ["torch 2.16.0 is outside", "may print what"]),
+        ("2.12.0", (3, 10), ["Python 3.10 is older than the 3.11"]),
+    ],
+)
+def test_versions_outside_the_tested_range_are_warned_about(
+    torch_version, python, said
+):
+    text = " ".join(doctor.version_warnings(torch_version, python))
+    assert all(part in text for part in said) and (text == "") == (said == [])
+
+
+def test_the_floor_is_the_one_declared_and_tested():
+    """pyproject.toml declares it, the Makefile's test-oldest installs it."""
+    root = Path(__file__).resolve().parents[1]
+    low = ".".join(map(str, doctor.TORCH_TESTED[0]))
+    assert f'"torch>={low}"' in (root / "pyproject.toml").read_text()
+    assert f"OLDEST_TORCH := {low}." in (root / "Makefile").read_text()
+    pinned = (root / "requirements.txt").read_text().split("torch==")[1].split()[0]
+    assert tuple(map(int, pinned.split(".")[:2])) == doctor.TORCH_TESTED[1]

@@ -11,6 +11,7 @@ import torch
 from companion import hardware
 from companion.devices import cpu_count
 from companion.hardware import (
+    UNKNOWN,
     bf16_matmul_support,
     cpu_flags,
     MachineLimits,
@@ -55,10 +56,14 @@ def test_cpu_flags_and_bf16_support(tmp_path):
     assert bf16_matmul_support(cpuinfo) == "avx512_bf16"
     cpuinfo.write_text("flags\t\t: fpu avx2\n")
     assert bf16_matmul_support(cpuinfo) is None
-    assert (
-        cpu_flags(tmp_path / "none") == set()
-        and bf16_matmul_support(tmp_path / "none") is None
-    )
+    # Arm lists its extensions on a Features line: Graviton 3 has bf16, Graviton 2 not.
+    cpuinfo.write_text("processor\t: 0\nFeatures\t: fp asimd sve i8mm bf16\n")
+    assert bf16_matmul_support(cpuinfo) == "bf16"
+    cpuinfo.write_text("processor\t: 0\nFeatures\t: fp asimd atomics\n")
+    assert bf16_matmul_support(cpuinfo) is None
+    # macOS and Windows have no /proc/cpuinfo: not "none", but unknown.
+    assert cpu_flags(tmp_path / "none") is None
+    assert bf16_matmul_support(tmp_path / "none") == UNKNOWN
 
 
 def test_estimate_cpu_peak_arithmetic():

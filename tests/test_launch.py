@@ -11,7 +11,7 @@ import psutil
 import pytest
 from jupyter_client.manager import start_new_kernel
 
-from companion.launch import LaunchError, LaunchTimeout, launch, script_path
+from companion.launch import LaunchError, LaunchTimeout, gpus_for, launch, script_path
 
 HANG = str(Path(__file__).parent / "scripts" / "hang.py")
 ECHO = str(Path(__file__).parent / "scripts" / "echo_env.py")
@@ -141,10 +141,11 @@ def test_from_a_notebook_kernel(kernel, tmp_path):
         print("RESULT", launch("hello_distributed.py", nproc=2, timeout=120))
     """,
     )
+    assert "2 process(es) on cpu: sum = 3" in out  # streamed into the cell
     assert (
-        "[rank 0] 2 process(es), backend gloo: sum = 3" in out
-    )  # streamed into the cell
-    assert "RESULT {'world_size': 2, 'backend': 'gloo', 'sum': 3.0}" in out
+        "RESULT {'device': 'cpu', 'backend': 'gloo', 'world_size': 2, 'threads': 1, 'sum': 3.0}"
+        in out
+    )
 
     start = time.monotonic()
     out = run_in_kernel(
@@ -177,3 +178,25 @@ def test_interrupting_the_kernel_leaves_no_process(kernel, tmp_path):
         and reply["content"]["ename"] == "KeyboardInterrupt"
     )
     assert not alive(recorded_pids(tmp_path))
+
+
+def test_gloos_peer_count_lines_are_left_out(tmp_path, capsys):
+    """torch 2.10's gloo prints "[Gloo] Rank N is connected to M peer ranks" on stdout."""
+    script = tmp_path / "chatty.py"
+    script.write_text(
+        'print("[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of '
+        'connected peer ranks is : 1")\nprint("the script\'s own line")\n'
+    )
+    launch(script, nproc=None, timeout=60, results=False)
+    assert capsys.readouterr().out == "the script's own line\n"
+
+
+def test_gpus_false_hides_the_gpus_and_checks_resolve_by_name():
+    assert (
+        launch(ECHO, nproc=None, timeout=60, gpus=False)["env"]["CUDA_VISIBLE_DEVICES"]
+        == ""
+    )
+    assert script_path("checks/ddp_scaling.py").parent.name == "checks"
+    if not gpus_for(2):  # this machine has fewer than 2 GPUs
+        with pytest.raises(ValueError, match="gpus=True needs a GPU for each of the 2"):
+            launch(ECHO, nproc=2, gpus=True)

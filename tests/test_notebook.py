@@ -111,3 +111,24 @@ def test_setup_notebook_outside_ipython_seeds_and_quiets(monkeypatch):
     first = torch.rand(1).item()
     set_seed(0)
     assert torch.rand(1).item() == first
+
+
+def test_float32_products_stay_full_precision_and_inductor_notes_are_quiet():
+    """Inductor's TF32 advice and softmax note (UserWarnings in torch 2.6-2.13) print nothing."""
+    import warnings
+
+    torch.set_float32_matmul_precision("high")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        setup_notebook()
+        for text in (
+            "TensorFloat32 tensor cores for float32 matrix multiplication available "
+            "but not enabled. Consider setting `torch.set_float32_matmul_precision"
+            "('high')` for better performance.",
+            "Online softmax is disabled on the fly since Inductor decides to split "
+            "the reduction.",
+        ):
+            warnings.warn(text, UserWarning)
+        warnings.warn("a warning the reader should see", UserWarning)
+    assert torch.get_float32_matmul_precision() == "highest"
+    assert [str(w.message) for w in caught] == ["a warning the reader should see"]

@@ -182,8 +182,7 @@ def test_too_few_gpus_is_refused_on_every_rank(decide, capsys, rank):
     chosen = decide(torchrun(rank, 2), gpus=1)
     assert chosen == {"exit_code": 2}
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "1 GPU(s) for 2 processes" in err
-    assert "CUDA_VISIBLE_DEVICES=" in err
+    assert err.count("\n") == 1 and "this node has 1 GPU(s) for 2 processes" in err
 
 
 @pytest.mark.parametrize("rank", [0, 1, 2, 3])

@@ -9,7 +9,8 @@ The address comes from the book's one setting, ``repository.url`` (and
 ``repository.branch``) in ``_config.yml``, which also decides whether the book
 shows its Colab button. Colab already has torch, numpy, matplotlib,
 scikit-learn, tqdm and psutil, so both packages are installed without their
-dependencies. The cell is removed from the rendered book (tag ``remove-cell``);
+dependencies; where Colab's torch is older than the course supports, the cell
+installs a newer one first and asks for a restart of the session. The cell is removed from the rendered book (tag ``remove-cell``);
 anywhere but Colab it does nothing.
 """
 
@@ -24,6 +25,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = "# In Google Colab only:"
+TORCH_FLOOR = (2, 10)  # the oldest torch the course supports (pyproject.toml)
 D2L = "d2l==1.0.3"
 
 
@@ -47,9 +49,14 @@ def colab_cell_source(url: str, branch: str, *, needs_d2l: bool) -> str:
     packages = f'"companion @ git+{url}@{branch}"' + (f" {D2L}" if needs_d2l else "")
     what = "the companion package" + (" and d2l" if needs_d2l else "")
     return (
-        f"{MARKER} install {what}.\n"
+        f"{MARKER} a torch the chapters support, and {what}.\n"
         "import sys\n\n"
         'if "google.colab" in sys.modules:\n'
+        "    import torch\n\n"
+        f"    if torch.__version__ < {TORCH_FLOOR}:  # TorchVersion compares with tuples\n"
+        f'        %pip install --quiet "torch>={TORCH_FLOOR[0]}.{TORCH_FLOOR[1]}" torchvision\n'
+        '        raise SystemExit("A newer torch is installed: restart the session "\n'
+        '                         "(Runtime > Restart session) and run this notebook again.")\n'
         f"    %pip install --quiet --no-deps {packages}"
     )
 

@@ -43,9 +43,7 @@ def setup_distributed(timeout_s: float = 600) -> tuple[int, int, int, torch.devi
     own = gpus == 1 and "RANK" not in env  # srun --gpus-per-task=1, or python
     gpu = 0 if own else local_rank
     if not own and 0 < gpus < max(per_node, local_rank + 1):
-        fail(
-            f"{gpus} GPU(s) for {per_node} processes; CUDA_VISIBLE_DEVICES= uses the CPU"
-        )
+        fail(f"this node has {gpus} GPU(s) for {per_node} processes")
     device = torch.device("cuda", gpu) if gpus else torch.device("cpu")
     if gpus:
         torch.cuda.set_device(device)
@@ -64,9 +62,13 @@ def setup_distributed(timeout_s: float = 600) -> tuple[int, int, int, torch.devi
 
 
 def where_it_ran(device: torch.device) -> dict:
-    """The device, backend and threads a result was measured with."""
-    backend, threads = dist.get_backend(), torch.get_num_threads()
-    return {"device": device.type, "backend": backend, "threads": threads}
+    """The device, backend, processes and threads a result was measured with."""
+    return dict(
+        device=device.type,
+        backend=dist.get_backend(),
+        world_size=dist.get_world_size(),
+        threads=torch.get_num_threads(),
+    )
 
 
 # ---- end of set-up

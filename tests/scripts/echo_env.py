@@ -14,6 +14,11 @@ parser.add_argument("--skip-results", action="store_true")
 args, rest = parser.parse_known_args()
 print(f"echo_env: {len(rest)} extra argument(s)", flush=True)
 if args.results and not args.skip_results:
-    names = ("OMP_NUM_THREADS", "PYTHONUNBUFFERED", "COURSE_TEST_VALUE")
+    names = (
+        "OMP_NUM_THREADS",
+        "PYTHONUNBUFFERED",
+        "COURSE_TEST_VALUE",
+        "CUDA_VISIBLE_DEVICES",
+    )
     with open(args.results, "w") as f:
         json.dump({"argv": rest, "env": {n: os.environ.get(n) for n in names}}, f)

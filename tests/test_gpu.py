@@ -1,0 +1,66 @@
+"""Tests that need a CUDA GPU: `make test-gpu` runs them; elsewhere they are skipped.
+
+What a CPU can check of the GPU paths, it checks elsewhere (the simulated GPU
+of tests/scripts/simulated_gpu.py); these check what only a GPU has: that
+timings wait for the GPU, and that a script's GPU run computes what its CPU
+run computes.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from companion import benchmark, try_all_gpus, try_gpu
+from companion.launch import script_path
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def test_devices_are_the_gpus():
+    assert try_gpu().type == "cuda"
+    assert [d.type for d in try_all_gpus(2)] == ["cuda", "cuda"]
+
+
+def test_benchmark_waits_for_the_gpu():
+    """A host clock that did not wait would report the launch, far less than the work."""
+    a = torch.randn(4096, 4096, device="cuda")
+    timing = benchmark(torch.mm, a, a, min_run_time=0.3)
+    start, end = (
+        torch.cuda.Event(enable_timing=True),
+        torch.cuda.Event(enable_timing=True),
+    )
+    start.record()
+    for _ in range(10):
+        torch.mm(a, a)
+    end.record()
+    end.synchronize()
+    on_gpu = start.elapsed_time(end) / 1e3 / 10
+    assert 0.7 < timing.median / on_gpu < 1.4
+
+
+def test_ddp_train_on_the_gpu_computes_what_it_computes_on_the_cpu(tmp_path):
+    """float64: the devices differ only by rounding, far below 1e-10."""
+    args = ["--steps", "24", "--samples", "256", "--global-batch-size", "32",
+            "--dtype", "float64"]  # fmt: skip
+    finals = {}
+    for device, visible in (("cuda", "0"), ("cpu", "")):
+        folder = tmp_path / device
+        subprocess.run(
+            [sys.executable, script_path("ddp_train.py"), *args, "--checkpoint-dir",
+             folder, "--results", folder / "r.json"],
+            check=True, timeout=300,
+            env={**os.environ, "CUDA_VISIBLE_DEVICES": visible},
+        )  # fmt: skip
+        assert json.loads((folder / "r.json").read_text())["device"] == device
+        state = torch.load(sorted(folder.glob("step-*.pt"))[-1], map_location="cpu",
+                           weights_only=True)  # fmt: skip
+        finals[device] = list(state["model"].values())
+    for a, b in zip(finals["cuda"], finals["cpu"]):
+        assert (a - b).abs().max().item() < 1e-10
