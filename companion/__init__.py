@@ -1,53 +1,125 @@
 """Companion package of the course "PyTorch computational performance and parallel training".
 
 Notebooks import their helpers from here; chapter-specific helpers live in
-their own modules (``companion.<module>``). Nothing runs at import time.
+their own modules (``companion.<module>``). Nothing runs at import time, and
+each name is imported from its module only when first used (PEP 562), so
+that a process that needs one helper does not pay for matplotlib and the
+rest: the course's checks start several processes at a time.
 """
 
-from companion.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from companion.data import (
-    DataUnavailableError,
-    ImageData,
-    ToyDataset,
-    load_digits,
-    load_fashion_mnist,
-    load_image_data,
-    make_spirals,
-    make_toy_data,
-)
-from companion.devices import (
-    DeviceError,
-    cpu_count,
-    describe_hardware,
-    get_backend,
-    num_gpus,
-    try_all_gpus,
-    try_gpu,
-)
-from companion.launch import LaunchError, LaunchTimeout, launch, script_path
-from companion.notebook import CourseError, set_seed, setup_notebook
-from companion.plotting import new_axes, plot_history
-from companion.training import accuracy, evaluate_accuracy, train_classifier
-from companion.timing import (
-    Benchmark,
-    Timing,
-    benchmark,
-    benchmark_interleaved,
-    format_ratio,
-    format_table,
-    format_time,
-    synchronize,
-)
-from companion.verdicts import (
-    Verdict,
-    check,
-    check_close,
-    check_faster,
-    check_not_faster,
-    check_range,
-    check_speed_ups_at_most,
-    compare_speed,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from companion.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+    from companion.data import (
+        DataUnavailableError,
+        ImageData,
+        ToyDataset,
+        load_digits,
+        load_fashion_mnist,
+        load_image_data,
+        make_spirals,
+        make_toy_data,
+    )
+    from companion.devices import (
+        DeviceError,
+        cpu_count,
+        describe_hardware,
+        get_backend,
+        num_gpus,
+        try_all_gpus,
+        try_gpu,
+    )
+    from companion.launch import LaunchError, LaunchTimeout, launch, script_path
+    from companion.notebook import CourseError, set_seed, setup_notebook
+    from companion.plotting import new_axes, plot_history
+    from companion.timing import (
+        Benchmark,
+        Timing,
+        benchmark,
+        benchmark_interleaved,
+        format_ratio,
+        format_table,
+        format_time,
+        synchronize,
+    )
+    from companion.training import accuracy, evaluate_accuracy, train_classifier
+    from companion.verdicts import (
+        Verdict,
+        check,
+        check_close,
+        check_faster,
+        check_not_faster,
+        check_range,
+        check_speed_ups_at_most,
+        compare_speed,
+    )
+
+# Where each name lives: imported on first use.
+_EXPORTS = {
+    "Benchmark": "companion.timing",
+    "CheckpointError": "companion.checkpoint",
+    "CourseError": "companion.notebook",
+    "DataUnavailableError": "companion.data",
+    "DeviceError": "companion.devices",
+    "ImageData": "companion.data",
+    "LaunchError": "companion.launch",
+    "LaunchTimeout": "companion.launch",
+    "Timing": "companion.timing",
+    "ToyDataset": "companion.data",
+    "Verdict": "companion.verdicts",
+    "accuracy": "companion.training",
+    "benchmark": "companion.timing",
+    "benchmark_interleaved": "companion.timing",
+    "check": "companion.verdicts",
+    "check_close": "companion.verdicts",
+    "check_faster": "companion.verdicts",
+    "check_not_faster": "companion.verdicts",
+    "check_range": "companion.verdicts",
+    "check_speed_ups_at_most": "companion.verdicts",
+    "compare_speed": "companion.verdicts",
+    "cpu_count": "companion.devices",
+    "describe_hardware": "companion.devices",
+    "evaluate_accuracy": "companion.training",
+    "format_ratio": "companion.timing",
+    "format_table": "companion.timing",
+    "format_time": "companion.timing",
+    "get_backend": "companion.devices",
+    "launch": "companion.launch",
+    "load_checkpoint": "companion.checkpoint",
+    "load_digits": "companion.data",
+    "load_fashion_mnist": "companion.data",
+    "load_image_data": "companion.data",
+    "make_spirals": "companion.data",
+    "make_toy_data": "companion.data",
+    "new_axes": "companion.plotting",
+    "num_gpus": "companion.devices",
+    "plot_history": "companion.plotting",
+    "save_checkpoint": "companion.checkpoint",
+    "script_path": "companion.launch",
+    "set_seed": "companion.notebook",
+    "setup_notebook": "companion.notebook",
+    "synchronize": "companion.timing",
+    "train_classifier": "companion.training",
+    "try_all_gpus": "companion.devices",
+    "try_gpu": "companion.devices",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'companion' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # the next access is a plain lookup
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
 
 __all__ = [
     "Benchmark",
@@ -63,6 +135,7 @@ __all__ = [
     "ToyDataset",
     "accuracy",
     "benchmark",
+    "benchmark_interleaved",
     "check",
     "check_close",
     "check_faster",

@@ -147,7 +147,7 @@ def resnet18(
 
 
 def load_data(path: str, seed: int = 0) -> tuple[TensorDataset, TensorDataset, str]:
-    """Return the training set, the test set and the data's name (synthetic without a path)."""
+    """The training set, the test set and the data's name (synthetic without a path)."""
     if not path:
         gen = torch.Generator().manual_seed(seed)
         images = torch.rand(1280, 1, 28, 28, generator=gen)
@@ -201,7 +201,7 @@ def train(
     test_set: TensorDataset,
     device: torch.device,
 ) -> tuple[DDP, dict]:
-    """Train with DDP; return the wrapped model and the results (the same on every rank)."""
+    """Train with DDP; return the wrapped model and the results (same on all ranks)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if args.global_batch_size % world_size or len(train_set) < args.global_batch_size:
         fail(

@@ -100,7 +100,7 @@ def where_it_ran(device: torch.device) -> dict:
 
 
 def plan_data(samples: int, global_batch: int | None, world_size: int) -> tuple:
-    """Return ``train_samples, test_samples, global_batch`` for ``world_size`` processes.
+    """Return ``train_samples, test_samples, global_batch`` for ``world_size``.
 
     The global batch is a multiple of the world size and the training set a
     multiple of the global batch, so every rank gets an equal, non-empty shard
@@ -118,7 +118,7 @@ def plan_data(samples: int, global_batch: int | None, world_size: int) -> tuple:
 
 
 def make_data(train_samples: int, test_samples: int, seed: int, dtype: torch.dtype):
-    """Return training and test sets: noisy points around 4 random centres, labelled by centre."""
+    """Training and test sets: noisy points around 4 centres, labelled by centre."""
     gen = torch.Generator().manual_seed(seed)
     centres = 1.5 * torch.randn(CLASSES, FEATURES, generator=gen, dtype=dtype)
     labels = torch.randint(0, CLASSES, (train_samples + test_samples,), generator=gen)
@@ -142,14 +142,14 @@ def build_model(seed: int, dtype: torch.dtype) -> nn.Module:
 
 
 def checkpoints(folder: Path) -> list[Path]:
-    """The checkpoints in ``folder``, oldest first (by step: step-1000000 after step-999999)."""
+    """The checkpoints in ``folder``, oldest first: by step, not by name."""
     return sorted(
         folder.glob("step-*.pt"), key=lambda p: int(p.stem.removeprefix("step-"))
     )
 
 
 def save_checkpoint(folder: Path, state: dict, keep: int) -> Path:
-    """Write ``state`` atomically (a temporary file, then a rename); keep the newest ``keep``."""
+    """Write ``state`` atomically (a temporary file, then a rename); keep ``keep``."""
     path = folder / f"step-{state['step']:06d}.pt"
     tmp = path.with_name(path.name + ".tmp")
     torch.save(state, tmp)
@@ -160,7 +160,7 @@ def save_checkpoint(folder: Path, state: dict, keep: int) -> Path:
 
 
 def load_checkpoint(folder: Path, device: torch.device, config: dict) -> dict | None:
-    """Return the newest checkpoint in ``folder`` (None if there is none), on ``device``."""
+    """Return the newest checkpoint in ``folder`` on ``device`` (None if none)."""
     if not checkpoints(folder):
         return None
     path = checkpoints(folder)[-1]
@@ -181,7 +181,7 @@ def load_checkpoint(folder: Path, device: torch.device, config: dict) -> dict | 
 
 @torch.no_grad()
 def accuracy(model: nn.Module, data: TensorDataset, device: torch.device) -> float:
-    """Return the accuracy over ``data``: each rank counts its share, an all-reduce adds."""
+    """The accuracy over ``data``: each rank counts its share, an all-reduce adds."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     points, labels = (t[rank::world_size].to(device) for t in data.tensors)
     correct = (model(points).argmax(1) == labels).sum()
@@ -234,13 +234,14 @@ def train(args: argparse.Namespace) -> None:
     if rank == 0:
         print(
             f"{world_size} process(es) on {device.type}, {dist.get_backend()}; global "
-            f"batch {global_batch}; {'resuming at step ' + str(step) if state else 'new run'}"
+            f"batch {global_batch}; "
+            + (f"resuming at step {step}" if state else "new run")
         )
     ddp = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
     pending: list[torch.Tensor] = []  # this rank's losses, still on the device
 
     def gather_losses() -> None:
-        """Turn the pending losses into global-batch means: one all-reduce for many steps."""
+        """Turn the pending losses into global-batch means: one all-reduce for many."""
         if pending:
             summed = torch.stack(pending)
             dist.all_reduce(summed)

@@ -1,7 +1,7 @@
 """Run a script as if every process had a GPU of its own, on a machine without one.
 
     python tests/scripts/simulated_gpu.py SCRIPT [ARGS ...]
-    python -m torch.distributed.run --nproc-per-node=2 tests/scripts/simulated_gpu.py SCRIPT [ARGS ...]
+    torchrun --nproc-per-node=2 tests/scripts/simulated_gpu.py SCRIPT [ARGS ...]
 
 The script takes its GPU path (``torch.cuda.device_count()`` says there is one
 GPU per process, or ``SIMULATED_GPUS``), asks for the nccl backend, puts its
@@ -104,7 +104,9 @@ def _tensors(values) -> list[torch.Tensor]:
 
 NAMING = {torch.device, torch._C._nn._parse_to}
 PROPERTIES = {
-    torch.Tensor.device.__get__: lambda: torch.device("cuda", torch.cuda.current_device()),
+    torch.Tensor.device.__get__: lambda: torch.device(
+        "cuda", torch.cuda.current_device()
+    ),
     torch.Tensor.is_cuda.__get__: lambda: True,
     torch.Tensor.get_device: lambda: torch.cuda.current_device(),
 }
@@ -277,8 +279,14 @@ def install(gpus: int) -> None:
         lambda fn, group=None: "nccl" if fn(group) == "gloo" else fn(group),
         dist.get_backend,
     )
-    for name in COLLECTIVES:
-        setattr(dist, name, _check_collective(name, getattr(dist, name)))
+    from torch.distributed import distributed_c10d
+
+    for name in COLLECTIVES:  # both names: P2POp compares its op with c10d's own
+        checked = _check_collective(name, getattr(distributed_c10d, name))
+        setattr(distributed_c10d, name, checked)
+        setattr(dist, name, checked)
+    # dist.P2POp accepts only the isend and irecv that c10d knows, by identity.
+    dist.distributed_c10d.isend, dist.distributed_c10d.irecv = dist.isend, dist.irecv
 
     from torch.distributed import device_mesh
     from torch.nn.parallel import DistributedDataParallel

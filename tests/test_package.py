@@ -1,0 +1,34 @@
+"""The companion package: every exported name resolves, and importing it is cheap.
+
+The course's checks start several processes at a time, each importing
+``companion``; names are imported from their modules on first use, so a
+process that launches a script or counts bytes does not load matplotlib.
+"""
+
+import subprocess
+import sys
+
+import companion
+
+
+def test_every_exported_name_resolves_from_its_module():
+    assert set(companion.__all__) == set(companion._EXPORTS)
+    for name in companion.__all__:
+        value = getattr(companion, name)
+        assert getattr(value, "__name__", name) == name or not callable(value)
+
+
+def test_an_unknown_name_is_an_attribute_error():
+    try:
+        companion.no_such_helper  # noqa: B018
+    except AttributeError as err:
+        assert "no_such_helper" in str(err)
+    else:
+        raise AssertionError("no error")
+
+
+def test_importing_the_package_loads_no_plotting_library():
+    code = "import sys, companion; from companion import launch; print('matplotlib' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120).stdout  # fmt: skip
+    assert out.strip() == "False"
