@@ -12,6 +12,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+# launch is both a module and its main function: bind the function now, so
+# that importing the module later cannot shadow it (cheap: no matplotlib).
+from companion.launch import LaunchError, LaunchTimeout, launch, script_path
+
 if TYPE_CHECKING:
     from companion.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
     from companion.data import (
@@ -33,7 +37,6 @@ if TYPE_CHECKING:
         try_all_gpus,
         try_gpu,
     )
-    from companion.launch import LaunchError, LaunchTimeout, launch, script_path
     from companion.notebook import CourseError, set_seed, setup_notebook
     from companion.plotting import new_axes, plot_history
     from companion.timing import (
@@ -66,8 +69,6 @@ _EXPORTS = {
     "DataUnavailableError": "companion.data",
     "DeviceError": "companion.devices",
     "ImageData": "companion.data",
-    "LaunchError": "companion.launch",
-    "LaunchTimeout": "companion.launch",
     "Timing": "companion.timing",
     "ToyDataset": "companion.data",
     "Verdict": "companion.verdicts",
@@ -88,7 +89,6 @@ _EXPORTS = {
     "format_table": "companion.timing",
     "format_time": "companion.timing",
     "get_backend": "companion.devices",
-    "launch": "companion.launch",
     "load_checkpoint": "companion.checkpoint",
     "load_digits": "companion.data",
     "load_fashion_mnist": "companion.data",
@@ -99,7 +99,6 @@ _EXPORTS = {
     "num_gpus": "companion.devices",
     "plot_history": "companion.plotting",
     "save_checkpoint": "companion.checkpoint",
-    "script_path": "companion.launch",
     "set_seed": "companion.notebook",
     "setup_notebook": "companion.notebook",
     "synchronize": "companion.timing",

@@ -12,7 +12,8 @@ import companion
 
 
 def test_every_exported_name_resolves_from_its_module():
-    assert set(companion.__all__) == set(companion._EXPORTS)
+    eager = {"LaunchError", "LaunchTimeout", "launch", "script_path"}
+    assert set(companion.__all__) == set(companion._EXPORTS) | eager
     for name in companion.__all__:
         value = getattr(companion, name)
         assert getattr(value, "__name__", name) == name or not callable(value)
@@ -32,3 +33,13 @@ def test_importing_the_package_loads_no_plotting_library():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=120).stdout  # fmt: skip
     assert out.strip() == "False"
+
+
+def test_launch_stays_the_function_after_its_module_is_imported():
+    code = (
+        "import companion.launch, companion; from companion import launch; "
+        "print(callable(launch))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120).stdout  # fmt: skip
+    assert out.strip() == "True"
