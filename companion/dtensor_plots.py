@@ -1,7 +1,8 @@
 """Draw what each rank holds of a DTensor: one panel per (placement, rank).
 
-The input is the JSON that ``companion/scripts/dtensor_basics.py`` writes:
-for each placement, every rank's local piece as nested lists. Used in chapter 11.
+The input is the JSON that ``companion/scripts/dtensor_basics.py`` and its
+check ``companion/checks/dtensor_placements.py`` write: for each placement,
+every rank's local piece as nested lists. Used in chapter 11.
 """
 
 from __future__ import annotations

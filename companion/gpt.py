@@ -18,7 +18,9 @@ the chapters on memory and model parallelism:
 There is no dropout and no bias anywhere, so that every saved tensor and
 every parameter follows from a short formula, and runs are deterministic.
 The standalone scripts of chapters 12-13 carry a copy of this model (they
-import only torch); ``tests/test_scripts_fsdp.py`` checks that its copy agrees.
+import only torch); ``tests/gpt_scripts.py`` checks that their copies agree.
+``plain_losses`` trains it in one process: the reference that the checks of
+those scripts (``companion/checks/``) compare every parallel layout with.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import contextlib
 import copy
 import io
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +50,7 @@ __all__ = [
     "add_checkpoints",
     "count_parameters_formula",
     "lm_loss",
+    "plain_losses",
     "saved_activation_bytes_formula",
     "zen_of_python",
 ]
@@ -240,6 +244,34 @@ def saved_activation_bytes_formula(
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of the next-token predictions."""
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def plain_losses(
+    config: GPTConfig,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    lr: float,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float64,
+    device: torch.device | str | None = None,
+) -> list[float]:
+    """The losses of the plain model, trained with Adam on whole ``batches``.
+
+    The reference that every parallel layout of chapters 12-13 must reproduce:
+    one process, the whole global batch, the model initialised in float32 from
+    ``seed`` and then cast to ``dtype``, as the standalone scripts do.
+    """
+    torch.manual_seed(seed)
+    model = GPT(config).to(device=device, dtype=dtype)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    losses = []
+    for x, y in batches:
+        optimizer.zero_grad(set_to_none=True)
+        loss = lm_loss(model(x.to(device)), y.to(device))
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
 
 
 def zen_of_python() -> str:

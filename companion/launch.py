@@ -38,8 +38,12 @@ from companion.devices import cpu_count, num_gpus
 __all__ = ["LaunchError", "LaunchTimeout", "gpus_for", "launch", "script_path"]
 
 HERE = Path(__file__).resolve().parent
-# A diagnostic that gloo prints on stdout in some torch versions (2.10 among them).
-GLOO_PEERS = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
+# A diagnostic that gloo prints on stdout in some torch versions (2.10 among
+# them), from every process at once: it can land in the middle of another line.
+GLOO_PEERS = re.compile(
+    r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. "
+    r"Expected number of connected peer ranks is : \d+\n?"
+)
 SCRIPTS = HERE / "scripts"
 CHECKS = HERE / "checks"
 
@@ -200,8 +204,9 @@ def launch(
             for line in proc.stdout:
                 if timed_out.is_set():
                     continue  # the dying processes' complaints about SIGTERM
-                if GLOO_PEERS.match(line):
-                    continue  # torch 2.10's gloo says so on stdout, every process
+                line = GLOO_PEERS.sub("", line)  # torch 2.10's gloo, every process
+                if not line:
+                    continue
                 print(line, end="", flush=True)
                 tail.append(line.rstrip())
             returncode = proc.wait()

@@ -14,15 +14,20 @@ adds up the storages packed for backward, each once, leaving out the
 parameters and buffers (a layer saves its weight, but that memory is the
 model's anyway). ``memory_timeline`` follows the allocator instead: the bytes
 allocated, event by event, through the phases of a training step, as the
-PyTorch profiler records them. Used in chapter 12.
+PyTorch profiler records them. For sharded models, ``tensor_bytes`` counts
+what one rank holds (a DTensor's local shard, and the storage behind it) and
+``shard_rows`` predicts a shard's rows. Used in chapters 12 and 13.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import sys
 import tempfile
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
@@ -41,8 +46,10 @@ __all__ = [
     "MemoryTimeline",
     "SavedTensors",
     "memory_timeline",
+    "shard_rows",
     "state_bytes",
     "state_bytes_formula",
+    "tensor_bytes",
 ]
 
 # Tensors of the parameters' size that each optimizer keeps per parameter.
@@ -106,32 +113,49 @@ def state_bytes_formula(
 class SavedTensors:
     """Count the bytes autograd saves for backward inside a ``with`` block.
 
-    Wrap one forward pass (no backward pass inside the block)::
+    Wrap one forward pass::
 
         with SavedTensors(exclude=[*model.parameters(), *model.buffers()]) as saved:
             loss = loss_fn(model(x), y)
         saved.nbytes
 
     Each storage counts once, whole, however many views of it are saved; the
-    storages of ``exclude`` do not count.
+    storages of ``exclude`` do not count; a DTensor counts its local tensor,
+    the part this rank holds. A storage is *live* from its first save until
+    autograd lets go of the last of them (a backward pass frees them):
+    ``live`` is the bytes held now and ``peak`` the most held at once, for a
+    block that runs backward passes too, such as a pipeline's step.
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
-        self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
-        self._storages: dict[int, int] = {}
+        self._excluded = {_storage(t).data_ptr() for t in exclude}
+        self._saves: dict[int, list[int]] = {}  # address: [saves alive, bytes]
+        self.nbytes = 0  # every storage saved, counted when it became live
+        self.live = 0
+        self.peak = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor | _Held:
+        storage = _storage(tensor)
         address = storage.data_ptr()
-        if address not in self._excluded and storage.nbytes() > 0:
-            self._storages.setdefault(address, storage.nbytes())
-        return tensor
+        if address in self._excluded or storage.nbytes() == 0:
+            return tensor
+        entry = self._saves.setdefault(address, [0, storage.nbytes()])
+        if entry[0] == 0:
+            self.nbytes += entry[1]
+            self.live += entry[1]
+            self.peak = max(self.peak, self.live)
+        entry[0] += 1
+        held = _Held(tensor)
+        weakref.finalize(held, self._release, address)  # when autograd lets go
+        return held
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the distinct storages saved so far."""
-        return sum(self._storages.values())
+    def _release(self, address: int) -> None:
+        entry = self._saves[address]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.live -= entry[1]
+            del self._saves[address]
 
     def __enter__(self) -> Self:
         self._hooks.__enter__()
@@ -146,8 +170,57 @@ class SavedTensors:
         self._hooks.__exit__(exc_type, exc, traceback)
 
 
-def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+class _Held:
+    """A saved tensor, wrapped so that its release can be seen."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+def _unpack(saved: torch.Tensor | _Held) -> torch.Tensor:
+    return saved.tensor if isinstance(saved, _Held) else saved
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (the part this rank holds), else ``tensor``."""
+    # No DTensor exists unless its module was imported; importing it takes a second.
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is not None and isinstance(tensor, module.DTensor):
+        with torch.no_grad():  # no autograd node, inside a saved-tensor hook too
+            return tensor.to_local()
     return tensor
+
+
+def _storage(tensor: torch.Tensor) -> torch.UntypedStorage:
+    return _local(tensor).untyped_storage()
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> dict[str, int]:
+    """Bytes of the elements this rank holds, and of the memory behind them.
+
+    ``local`` counts the elements (a DTensor's local shard); ``storage`` the
+    distinct storages behind them, each once, with any padding (FSDP2
+    allocates ``ceil(rows / N)`` rows of every shard).
+    """
+    tensors = [_local(t) for t in tensors]
+    storages = {
+        (t.untyped_storage().device, t.untyped_storage().data_ptr()): (
+            t.untyped_storage().nbytes()
+        )
+        for t in tensors
+    }
+    return {"local": _nbytes(tensors), "storage": sum(storages.values())}
+
+
+def shard_rows(rows: int, parts: int, index: int) -> int:
+    """Rows of dim 0 that part ``index`` gets when ``torch.chunk`` cuts ``rows``.
+
+    ``ceil(rows / parts)`` each while rows last, so the last parts may get
+    fewer, even none: how FSDP2 shards a parameter and tensor parallelism a
+    weight.
+    """
+    per_part = math.ceil(rows / parts)
+    return max(0, min(per_part, rows - index * per_part))
 
 
 class Checkpointed(nn.Module):

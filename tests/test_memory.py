@@ -12,8 +12,10 @@ from companion.memory import (
     Checkpointed,
     SavedTensors,
     memory_timeline,
+    shard_rows,
     state_bytes,
     state_bytes_formula,
+    tensor_bytes,
 )
 
 OPTIMIZERS = {
@@ -103,6 +105,38 @@ def test_excluded_tensors_do_not_count() -> None:
         layer(x)
     assert activations.nbytes == 8 * 10 * 4  # the input only
     assert everything.nbytes == activations.nbytes + 10 * 20 * 4  # and the weight
+
+
+def test_saved_storages_stay_live_until_backward_frees_them() -> None:
+    """What a pipeline stage holds: live bytes rise in forward, fall in backward."""
+    layer = nn.Linear(16, 16, bias=False)
+    x = torch.randn(8, 16, requires_grad=True)
+    with SavedTensors(layer.parameters()) as saved:
+        h = layer(x)
+        y = torch.tanh(h)  # saves its output, 8 x 16 float32
+        z = (y * y).sum()  # saves y once, though twice as an argument
+        assert saved.live == saved.nbytes == 8 * 16 * 4 * 2  # x (weight grad), y
+        z.backward()
+        assert saved.live == 0  # backward let go of everything
+        layer(x).sum()  # a second forward pass, dropped at once
+    assert saved.peak == 8 * 16 * 4 * 2
+    assert saved.nbytes == 8 * 16 * 4 * 3  # x counted again: it became live again
+    assert saved.live == 0
+
+
+def test_tensor_bytes_count_elements_and_the_storage_behind_them() -> None:
+    whole = torch.zeros(10, 4)  # 160 bytes of storage
+    rows = whole[:3]  # a view: 48 bytes of elements
+    assert tensor_bytes([rows]) == {"local": 48, "storage": 160}
+    assert tensor_bytes([rows, whole[5:]]) == {"local": 48 + 80, "storage": 160}
+    assert tensor_bytes([]) == {"local": 0, "storage": 0}
+
+
+@pytest.mark.parametrize("rows, parts", [(64, 4), (45, 4), (3, 4), (45, 2), (1, 3)])
+def test_shard_rows_follow_torch_chunk(rows: int, parts: int) -> None:
+    chunks = torch.arange(rows).chunk(parts)
+    expected = [len(chunks[i]) if i < len(chunks) else 0 for i in range(parts)]
+    assert [shard_rows(rows, parts, i) for i in range(parts)] == expected
 
 
 @pytest.mark.parametrize("sdpa", [False, True])

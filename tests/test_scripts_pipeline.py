@@ -1,63 +1,50 @@
-"""Launch chapter 13's pipeline script for real, with 2 and 4 gloo processes.
+"""Chapter 13's pipeline script, and its check, launched on gloo processes.
 
-Every expected number is computed here, independently of the script's own
-formulas and checks:
+Every expected number is computed here, independently of the script and of
+``companion/checks/pipeline.py``:
 
-- the losses: the course's plain GPT (``companion.gpt``) trained in this
-  process on the same batches, in float64 (every schedule and micro-batch
-  count must give them to 1e-10);
+- the losses: the course's plain GPT trained in this process on the same
+  batches, in float64 (every schedule and micro-batch count must give them
+  to 1e-10);
 - the idle fraction of a step with equal stages, (p - 1) / (m + p - 1), and
   (p - 1) / (2 m + p - 1) with two stages per process, from its definition:
   slots of work over slots of the schedule;
 - the micro-batches each stage holds: all m with GPipe; with 1F1B, stage s of
   p at most p - s, counted by replaying the schedule's order of passes here.
 
-``make test`` runs one 2-process launch; the 4-process and interleaved runs
-are marked slow (chapter 13 runs both with verdicts in ``make test``). Bad
-input runs ``main()`` in this process: it is refused before the processes
-would meet.
+``make test`` launches the check on 2 processes and the script alone with
+plain python; the 4-process and interleaved runs are marked slow (chapter 13
+runs both with verdicts). Bad input is refused in this process.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import asdict
 
 import pytest
 import torch
-from gpt_scripts import check_model_copy, load_script, run_in_process
+from gpt_scripts import (
+    check_model_copy,
+    on_simulated_gpus,
+    reference_losses,
+    refusal,
+)
 
-from companion.gpt import GPT, CharText, GPTConfig, lm_loss
+from companion.checks import pipeline as check
+from companion.gpt import GPT, CharText, GPTConfig
 from companion.launch import launch
+from companion.parallel_costs import bubble_fraction
+from companion.scripts import pipeline_gpt
 
 pytestmark = pytest.mark.timeout(180)
 
-NAME = "pipeline_gpt.py"
+NAME, CHECK = "pipeline_gpt.py", "checks/pipeline.py"
 TOL = 1e-10
 
 
-@pytest.fixture(scope="module")
-def script():
-    return load_script(NAME)
-
-
-def plain_losses(steps: int, n_layer: int = 4, batch: int = 32) -> list[float]:
-    """The plain model in one process on the whole batch of ``batch`` x 64, float64, Adam."""
-    text = CharText()
-    config = GPTConfig(vocab_size=text.vocab_size, block_size=64, n_layer=n_layer)
-    torch.manual_seed(0)
-    model = GPT(config).to(torch.float64)
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    g = torch.Generator().manual_seed(0)
-    batches = [text.batch(batch, 64, g) for _ in range(steps)]
-    losses = []
-    for x, y in batches:
-        optimizer.zero_grad()
-        loss = lm_loss(model(x), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
+def plain_losses(steps: int) -> list[float]:
+    """The plain model of 4 blocks on the whole batch of 32 x 64."""
+    return reference_losses(steps, batch_size=32, n_layer=4)
 
 
 def one_f_one_b_in_flight(p: int, m: int) -> list[int]:
@@ -89,21 +76,22 @@ def idle_fraction(p: int, m: int, v: int = 1) -> float:
     return (total - work) / total
 
 
-def test_the_scripts_model_is_companion_gpt(script) -> None:
-    check_model_copy(script)
+def test_the_scripts_model_is_companion_gpt() -> None:
+    check_model_copy(pipeline_gpt)
 
 
-def test_the_stages_chain_to_companion_gpt(script) -> None:
+def test_the_stages_chain_to_companion_gpt() -> None:
     """The copied model, cut into stages and run one after another, is the plain model bit for bit."""
     text = CharText()
     config = GPTConfig(vocab_size=text.vocab_size, block_size=32, n_layer=4)
     torch.manual_seed(1)
     ours = GPT(config)
     torch.manual_seed(1)
-    theirs = script.GPT(script.GPTConfig(**asdict(config)))
+    theirs = pipeline_gpt.GPT(pipeline_gpt.GPTConfig(text.vocab_size, 32, 4))
     x, _ = text.batch(3, 32, torch.Generator().manual_seed(2))
     for cuts in ([0, 4], [0, 2, 4], [0, 1, 2, 3, 4]):
-        stages = [script.GPTStage(theirs, a, b) for a, b in itertools.pairwise(cuts)]
+        pairs = itertools.pairwise(cuts)
+        stages = [pipeline_gpt.GPTStage(theirs, a, b) for a, b in pairs]
         h = x
         for stage in stages:
             h = stage(h)
@@ -113,18 +101,16 @@ def test_the_stages_chain_to_companion_gpt(script) -> None:
 
 
 @pytest.mark.parametrize("p, m", [(1, 4), (2, 1), (2, 8), (4, 8), (4, 2)])
-def test_the_formulas(script, p, m) -> None:
-    assert script.bubble_formula("gpipe", p, m) == pytest.approx(idle_fraction(p, m))
-    assert script.bubble_formula("1f1b", p, m) == pytest.approx(idle_fraction(p, m))
-    assert script.bubble_formula("interleaved", p, m) == pytest.approx(
-        idle_fraction(p, m, v=2)
-    )
-    assert script.in_flight_formula("gpipe", p, m) == [m] * p
-    assert script.in_flight_formula("1f1b", p, m) == one_f_one_b_in_flight(p, m)
-    assert script.in_flight_formula("interleaved", p, m) is None
+def test_the_formulas(p, m) -> None:
+    for v in pipeline_gpt.STAGES_PER_PROCESS.values():
+        assert bubble_fraction(p, m, v) == pytest.approx(idle_fraction(p, m, v))
+    assert pipeline_gpt.STAGES_PER_PROCESS["interleaved"] == 2
+    assert check.in_flight_formula("gpipe", p, m) == [m] * p
+    assert check.in_flight_formula("1f1b", p, m) == one_f_one_b_in_flight(p, m)
+    assert check.in_flight_formula("interleaved", p, m) is None
 
 
-def test_in_flight_follows_the_order_the_passes_ended(script) -> None:
+def test_in_flight_follows_the_order_the_passes_ended() -> None:
     events = [  # kind, stage, micro-batch, start, end: listed out of order
         ["B", 0, 0, 0.5, 0.6],
         ["F", 0, 0, 0.0, 0.1],
@@ -133,31 +119,20 @@ def test_in_flight_follows_the_order_the_passes_ended(script) -> None:
         ["B", 0, 1, 0.7, 0.8],
         ["B", 0, 2, 0.8, 0.9],
     ]
-    assert script.most_in_flight(events) == 2
-
-
-def test_live_saved_counts_each_storage_until_backward_frees_it(script) -> None:
-    layer = torch.nn.Linear(16, 16, bias=False)
-    x = torch.randn(8, 16, requires_grad=True)
-    with script.LiveSaved(layer.parameters()) as saved:
-        h = layer(x)
-        y = torch.tanh(h)  # saves its output, 8 x 16 float32
-        z = (y * y).sum()  # saves y once, though twice as an argument
-        assert saved.live == 8 * 16 * 4 * 2  # x for the weight's gradient, and y
-        z.backward()
-    assert saved.peak == 8 * 16 * 4 * 2
-    assert saved.live == 0 and not saved.storages
+    assert check.most_in_flight(events) == 2
 
 
 @pytest.fixture(scope="module")
 def two() -> dict:
-    args = ["--microbatches", "2,4", "--steps", "2", "--check"]
-    return launch(NAME, args, nproc=2, timeout=150)
+    args = ["--microbatches", "2,4", "--steps", "2"]
+    return launch(CHECK, args, nproc=2, timeout=150)
 
 
 def test_two_stages_train_as_one_process_with_either_schedule(two) -> None:
-    """One test for the one launch in make test."""
+    """One test for the one launch of the check in make test."""
     reference = plain_losses(2)
+    assert two["device"] == "cpu" and two["backend"] == "gloo"
+    assert two["reference_losses"] == pytest.approx(reference, abs=TOL, rel=0)
     runs = {(r["schedule"], r["microbatches"]): r for r in two["runs"]}
     assert set(runs) == {("gpipe", 2), ("gpipe", 4), ("1f1b", 2), ("1f1b", 4)}
     for (schedule, m), run in runs.items():
@@ -180,9 +155,17 @@ def test_two_stages_train_as_one_process_with_either_schedule(two) -> None:
     assert all(two["checks"].values()) and len(two["checks"]) == 8
 
 
+def test_the_script_alone_trains_as_the_plain_model() -> None:
+    args = ["--steps", "2", "--microbatches", "2", "--batch-size", "8"]
+    out = launch(NAME, args, nproc=None, timeout=90)
+    assert out["device"] == "cpu" and out["backend"] == "gloo"
+    reference = reference_losses(2, batch_size=8, n_layer=4)
+    assert out["losses"] == pytest.approx(reference, abs=TOL, rel=0)
+
+
 @pytest.mark.slow
 def test_four_stages_hold_what_each_schedule_promises() -> None:
-    run = launch(NAME, ["--microbatches", "8", "--steps", "2", "--check"], nproc=4)
+    run = launch(CHECK, ["--microbatches", "8", "--steps", "2"], nproc=4)
     reference = plain_losses(2)
     gpipe, one_f = run["runs"]
     assert gpipe["in_flight"] == [8, 8, 8, 8]
@@ -194,7 +177,7 @@ def test_four_stages_hold_what_each_schedule_promises() -> None:
 @pytest.mark.slow
 def test_the_interleaved_schedule_trains_as_one_process() -> None:
     args = ["--schedules", "interleaved", "--microbatches", "2,4", "--steps", "2"]
-    run = launch(NAME, [*args, "--check"], nproc=2)
+    run = launch(CHECK, args, nproc=2)
     reference = plain_losses(2)
     for r in run["runs"]:
         assert r["losses"] == pytest.approx(reference, abs=TOL, rel=0)
@@ -203,9 +186,12 @@ def test_the_interleaved_schedule_trains_as_one_process() -> None:
         )
         stages = {e[1] for passes in r["timeline"]["events"] for e in passes}
         assert stages == {0, 1, 2, 3}
+    args = ["--schedule", "interleaved", "--microbatches", "4", "--steps", "2"]
+    script = launch(NAME, args, nproc=2)
+    assert script["losses"] == pytest.approx(reference, abs=TOL, rel=0)
 
 
-def test_a_missed_loss_is_one_sentence(script) -> None:
+def test_a_missed_loss_is_one_sentence() -> None:
     run = {
         "schedule": "gpipe",
         "microbatches": 2,
@@ -215,7 +201,7 @@ def test_a_missed_loss_is_one_sentence(script) -> None:
         "peak_saved_bytes": [200, 200],
         "microbatch_saved_bytes": [100, 100],
     }
-    checks, failure = script.judge([run], [3.0, 2.4], 1e-10)
+    checks, failure = check.judge([run], [3.0, 2.4], 1e-10)
     assert checks == {
         "gpipe, m = 2: losses": False,
         "gpipe, m = 2: micro-batches in flight": True,
@@ -225,7 +211,7 @@ def test_a_missed_loss_is_one_sentence(script) -> None:
     )
 
 
-def test_a_miscount_in_flight_is_one_sentence(script) -> None:
+def test_a_miscount_in_flight_is_one_sentence() -> None:
     run = {
         "schedule": "1f1b",
         "microbatches": 4,
@@ -235,8 +221,11 @@ def test_a_miscount_in_flight_is_one_sentence(script) -> None:
         "peak_saved_bytes": [300, 100],
         "microbatch_saved_bytes": [100, 100],
     }
-    checks, failure = script.judge([run], None, 1e-10)
-    assert checks == {"1f1b, m = 4: micro-batches in flight": False}
+    checks, failure = check.judge([run], [3.0], 1e-10)
+    assert checks == {
+        "1f1b, m = 4: losses": True,
+        "1f1b, m = 4: micro-batches in flight": False,
+    }
     assert (
         "held [2, 1] micro-batches (3.00, 1.00 by their bytes), not [2, 1]" in failure
     )
@@ -249,12 +238,12 @@ def test_a_miscount_in_flight_is_one_sentence(script) -> None:
             ["--n-layer", "3"],
             2,
             (
-                "--n-layer 3 does not split into 2 equal stages (gpipe on 2 processes); "
+                "--n-layer 3 does not split into 2 equal stages (1f1b on 2 processes); "
                 "use a multiple of 2."
             ),
         ),
         (
-            ["--schedules", "interleaved"],
+            ["--schedule", "interleaved"],
             4,
             (
                 "--n-layer 4 does not split into 8 equal stages (interleaved on 4 "
@@ -262,48 +251,71 @@ def test_a_miscount_in_flight_is_one_sentence(script) -> None:
             ),
         ),
         (
-            ["--microbatches", "1,2"],
-            2,
-            "the 1f1b schedule needs at least 2 micro-batches (one per process), not 1.",
-        ),
-        (
-            [
-                "--schedules",
-                "interleaved",
-                "--microbatches",
-                "2,3",
-                "--batch-size",
-                "36",
-            ],
+            ["--microbatches", "1"],
             2,
             (
-                "the interleaved schedule needs a multiple of 2 micro-batches (one per "
-                "process), not 3."
+                "the 1f1b schedule needs a multiple of 2 micro-batches (at least one per "
+                "process), not 1."
             ),
         ),
         (
-            ["--microbatches", "3"],
+            ["--schedule", "interleaved", "--microbatches", "3", "--batch-size", "36"],
+            2,
+            (
+                "the interleaved schedule needs a multiple of 2 micro-batches (at least "
+                "one per process), not 3."
+            ),
+        ),
+        (
+            ["--schedule", "gpipe", "--microbatches", "3"],
             1,
             (
                 "--batch-size 32 does not split into 3 equal micro-batches; use a "
-                "multiple of every micro-batch count."
+                "multiple of --microbatches."
             ),
         ),
+        (["--n-head", "3"], 1, "--n-embd 64 is not a multiple of --n-head 3."),
+    ],
+)
+def test_bad_input_is_one_sentence(
+    args, world_size, expected, monkeypatch, capsys
+) -> None:
+    run = lambda: pipeline_gpt.parse_args(args)
+    err = refusal(run, monkeypatch, capsys, world_size, NAME)
+    assert err == f"{NAME}: error: {expected}\n"
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # @record, here
+@pytest.mark.parametrize(
+    "args, expected",
+    [
         (
             ["--schedules", "zb"],
-            1,
             "--schedules takes gpipe, 1f1b, interleaved, not 'zb'.",
         ),
         (
             ["--microbatches", "two"],
-            1,
-            "--microbatches takes whole numbers such as 1,2,4,8, not 'two'.",
+            "--microbatches takes whole numbers such as 2,4,8, not 'two'.",
         ),
-        (["--n-head", "3"], 1, "n_embd (64) must be a multiple of n_head (3)."),
+        (
+            ["--microbatches", "2,3"],
+            (
+                "--batch-size 32 does not split into 3 equal micro-batches; use a "
+                "multiple of --microbatches."
+            ),
+        ),
     ],
 )
-def test_bad_input_is_one_sentence(
-    args, world_size, expected, script, monkeypatch, capsys
-) -> None:
-    code, err = run_in_process(script, monkeypatch, capsys, args, world_size)
-    assert (code, err) == (2, f"{NAME}: error: {expected}\n")
+def test_the_checks_bad_input_is_one_sentence(args, expected, monkeypatch, capsys):
+    """The check refuses every setting the script would refuse, before the processes meet."""
+    err = refusal(check.main, monkeypatch, capsys, 1, "pipeline.py", args)
+    assert err == f"pipeline.py: error: {expected}\n"
+
+
+@pytest.mark.slow
+def test_the_check_runs_on_two_simulated_gpus() -> None:
+    """Every tensor of the check and the script on its GPU, every collective on nccl."""
+    args = ["--steps", "2", "--microbatches", "2", "--schedules", "gpipe,interleaved"]
+    out = on_simulated_gpus("checks/pipeline.py", args, nproc=2, timeout=170)
+    assert (out["device"], out["backend"]) == ("cuda", "nccl")
+    assert all(out["checks"].values())

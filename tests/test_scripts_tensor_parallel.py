@@ -1,12 +1,11 @@
-"""Launch chapter 13's tensor-parallel script for real, with 2 and 4 gloo processes.
+"""Chapter 13's tensor-parallel script, and its check, launched on gloo processes.
 
 Every expected number here is computed in this file, independently of the
-script's own formulas and checks:
+script and of ``companion/checks/tensor_parallel.py``:
 
 - the script's copy of the model equals ``companion.gpt`` bit for bit;
-- the losses: the course's plain GPT (``companion.gpt``) trained in this
-  process on the same batches, in float64 (every split must equal them to
-  1e-10);
+- the losses: the course's plain GPT trained in this process on the same
+  batches, in float64 (every split must equal them to 1e-10);
 - the collectives of a step: listed here layer by layer (which layer calls
   which collective on how many elements, in which phase) and added up;
 - the bytes saved for backward: listed here tensor by tensor (what each
@@ -15,9 +14,9 @@ script's own formulas and checks:
 - the 2-D run's parameter bytes: the model's own parameters cut with
   ``torch.chunk``, as TP and then FSDP2 cut them.
 
-``make test`` runs one 2-process launch (``--layout tp --check``); bad input
-runs ``main()`` in this process (it is refused before the processes would
-meet); the 2-D launch and the failing check are marked slow.
+``make test`` launches the check on 2 processes (the three 1-D splits) and the
+script alone with plain python; bad input is refused in this process; the 2-D
+launches, one process, and the failing check are marked slow.
 """
 
 from __future__ import annotations
@@ -26,49 +25,46 @@ from collections import defaultdict
 
 import pytest
 import torch
-from gpt_scripts import check_model_copy, load_script, run_in_process
-
-from companion.gpt import (
-    GPT,
-    CharText,
-    GPTConfig,
-    lm_loss,
-    saved_activation_bytes_formula,
+from gpt_scripts import (
+    check_model_copy,
+    on_simulated_gpus,
+    reference_losses,
+    refusal,
 )
+
+from companion.checks import tensor_parallel as check
+from companion.gpt import GPT, CharText, GPTConfig, saved_activation_bytes_formula
 from companion.launch import LaunchError, launch
+from companion.scripts import tensor_parallel_gpt
 
 pytestmark = pytest.mark.timeout(180)
 
-NAME = "tensor_parallel_gpt.py"
+NAME, CHECK = "tensor_parallel_gpt.py", "checks/tensor_parallel.py"
 TOL = 1e-10  # float64; measured differences are about 1e-16
 B, T = 8, 64  # the script's default batch
+PHASES = ("forward", "backward", "optimizer")
+CHECKS_1D = [
+    "hand_block",
+    "hand_collectives",
+    "hand_losses",
+    "tp_losses",
+    "tp_gradients",
+    "tp_collectives",
+    "sp_losses",
+    "sp_collectives",
+    "activations",
+]
 
 
-@pytest.fixture(scope="module")
-def script():
-    return load_script(NAME)
+HEADS = (
+    "--n-head 4 does not split over 3 tensor-parallel processes, each of which keeps "
+    "whole heads, or does not divide --n-embd; use a number of processes that "
+    "divides it."
+)
 
 
 def default_config() -> GPTConfig:
     return GPTConfig(vocab_size=CharText().vocab_size)
-
-
-def plain_losses(steps: int, lr: float = 3e-3, seed: int = 0) -> list[float]:
-    """The plain model, one process, the whole batch of 8 x 64 characters, float64."""
-    text = CharText()
-    torch.manual_seed(seed)
-    model = GPT(GPTConfig(vocab_size=text.vocab_size)).to(torch.float64)
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    g = torch.Generator().manual_seed(seed)
-    losses = []
-    for _ in range(steps):
-        x, y = text.batch(B, T, g)
-        optimizer.zero_grad()
-        loss = lm_loss(model(x), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
 
 
 def add_up(events: list[tuple[str, str, int, int]], b: int) -> dict:
@@ -175,32 +171,33 @@ def expected_parameter_bytes(dp: int, tp: int, b: int = 8) -> list[dict]:
     return out
 
 
-def test_the_scripts_model_is_companion_gpt(script) -> None:
-    check_model_copy(script)
+def test_the_scripts_model_is_companion_gpt() -> None:
+    check_model_copy(tensor_parallel_gpt)
 
 
-def test_the_plain_models_saved_bytes_in_this_process(script) -> None:
+def test_the_plain_models_saved_bytes_in_this_process() -> None:
     """Measured here, without processes: the course's formula, this file's list, the
-    script's formula and the script's measurement agree for the plain model."""
+    check's formula and the check's measurement agree for the plain model."""
     config = default_config()
     course = sum(saved_activation_bytes_formula(config, B, T, 8).values())
     # companion/gpt.py leaves out one scalar, cross-entropy's total weight.
     assert expected_saved_bytes(config, 1, "plain") == course + 8
-    predicted = script.predict_saved_bytes(config, B, T, 2, 8)
+    predicted = check.predict_saved_bytes(config, B, T, 2, 8)
     assert predicted["plain"]["total"] == course + 8
     torch.manual_seed(0)
     model = GPT(config).to(torch.float64)
     x, y = CharText().batch(B, T, torch.Generator().manual_seed(0))
-    assert script.saved_bytes(model, x, y) == course + 8
+    assert check.saved_bytes(model, x, y) == course + 8
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_the_scripts_formulas_match_the_lists_here(script, n) -> None:
+def test_the_checks_formulas_match_the_lists_here(n) -> None:
     config = default_config()
-    predicted = script.predict_saved_bytes(config, B, T, n, 8)
+    predicted = check.predict_saved_bytes(config, B, T, n, 8)
     for split in ("tp", "sp"):
         assert predicted[split]["total"] == expected_saved_bytes(config, n, split)
-    collectives = script.predict_collectives(config, B, T, n, 8)
+    assert predicted["hand"] == predicted["tp"]
+    collectives = check.predict_collectives(config, B, T, n, 8)
     expected = expected_collectives(config, n)
     for split in ("hand", "tp", "sp"):
         assert collectives[split] == expected[split], split
@@ -208,29 +205,17 @@ def test_the_scripts_formulas_match_the_lists_here(script, n) -> None:
     shapes = {k: list(p.shape) for k, p in GPT(config).named_parameters()}
     dp, tp = n // 2 or 1, 2
     assert [
-        script.predict_parameter_bytes(shapes, dp, tp, r, 8) for r in range(dp * tp)
+        check.predict_parameter_bytes(shapes, dp, tp, r, 8) for r in range(dp * tp)
     ] == expected_parameter_bytes(dp, tp)
 
 
 def test_two_processes_split_three_ways_and_match_the_plain_model() -> None:
-    """One launch (make test's only one from this file): every number against this file's."""
-    out = launch(NAME, ["--layout", "tp", "--check"], nproc=2, timeout=150)
+    """The one launch of the check in make test: every number against this file's."""
+    out = launch(CHECK, ["--repeats", "2"], nproc=2, timeout=170)
     config = GPTConfig(**out["config"])
-    assert out["world_size"] == 2 and out["dtype"] == "float64"
-    assert out["checks"] == dict.fromkeys(
-        [
-            "hand_block",
-            "hand_collectives",
-            "hand_losses",
-            "tp_losses",
-            "tp_gradients",
-            "tp_collectives",
-            "sp_losses",
-            "sp_collectives",
-            "activations",
-        ],
-        True,
-    )
+    assert out["world_size"] == 2 and out["dtype"] == "float64" and out["steps"] == 3
+    assert out["device"] == "cpu" and out["backend"] == "gloo"
+    assert out["checks"] == dict.fromkeys(CHECKS_1D, True)
     assert max(out["hand"]["block"]["max_diff"].values()) <= TOL
     # One block: g after attention and after the MLP, f before them in backward.
     stream = B * T * config.n_embd * 8
@@ -243,7 +228,7 @@ def test_two_processes_split_three_ways_and_match_the_plain_model() -> None:
     }
     assert out["hand"]["block"]["collectives"] == {"forward": two, "backward": two}
 
-    reference = plain_losses(3)
+    reference = reference_losses(3)
     assert out["reference_losses"] == pytest.approx(reference, abs=TOL)
     expected = expected_collectives(config, 2)
     for split in ("hand", "tp", "sp"):
@@ -252,8 +237,6 @@ def test_two_processes_split_three_ways_and_match_the_plain_model() -> None:
         assert max(run["max_diff"].values()) <= TOL, (split, run["max_diff"])
         assert len(run["collectives"]) == 3 and run["same_on_every_rank"]
         assert all(step == expected[split] for step in run["collectives"]), split
-    # The hand-written functions counted what CommDebugMode saw.
-    assert out["hand"]["own_count"] == out["hand"]["collectives"]
 
     measured = out["activations"]["measured"]
     assert set(measured) == {"plain", "hand", "tp", "sp"}
@@ -266,13 +249,28 @@ def test_two_processes_split_three_ways_and_match_the_plain_model() -> None:
     for key in ("plain_same_cpus", "plain_one_process", "hand", "tp", "sp"):
         assert 0 < timing[key] < 10, (key, timing)
     assert 0 < timing["all_reduce"] < 1 and timing["all_reduce_bytes"] == stream
+    assert 0 < timing["all_reduce_in_step"] < 1
+
+
+def test_the_script_alone_trains_as_the_plain_model() -> None:
+    out = launch(NAME, ["--layout", "sp", "--steps", "2"], nproc=None, timeout=90)
+    assert out["device"] == "cpu" and out["backend"] == "gloo"
+    assert out["losses"] == pytest.approx(reference_losses(2), abs=TOL, rel=0)
+
+
+@pytest.mark.slow
+def test_one_process_splits_nothing_and_sends_nothing() -> None:
+    out = launch(CHECK, ["--repeats", "1"], nproc=None, timeout=120)
+    assert out["checks"] == dict.fromkeys(CHECKS_1D, True)
+    for split in ("hand", "tp", "sp"):
+        assert out[split]["collectives"][0] == {p: {} for p in PHASES}
 
 
 @pytest.mark.slow
 def test_four_processes_on_a_2x2_mesh_match_the_plain_model() -> None:
-    out = launch(NAME, ["--layout", "2d", "--check"], nproc=4, timeout=170)
+    out = launch(CHECK, ["--layout", "2d"], nproc=4, timeout=170)
     assert out["mesh"] == {"dp": 2, "tp": 2} and out["world_size"] == 4
-    reference = plain_losses(5)
+    reference = reference_losses(5)
     assert len(out["losses"]) == 5
     assert max(abs(a - r) for a, r in zip(out["losses"], reference)) <= TOL
     assert out["reference_losses"] == pytest.approx(reference, abs=TOL)
@@ -282,6 +280,8 @@ def test_four_processes_on_a_2x2_mesh_match_the_plain_model() -> None:
     whole = out["parameter_bytes"]["whole_model"]
     assert all(whole / 4 < m["local"] < whole / 2 for m in measured)
     assert out["checks"] == {"losses": True, "parameter_bytes": True}
+    script = launch(NAME, ["--layout", "2d", "--steps", "3"], nproc=4, timeout=170)
+    assert script["losses"] == pytest.approx(reference[:3], abs=TOL, rel=0)
 
 
 @pytest.mark.slow
@@ -291,14 +291,14 @@ def test_a_missed_tolerance_exits_with_code_3(capsys) -> None:
     capsys.readouterr()
     with pytest.raises(LaunchError, match="exit code"):
         launch(
-            NAME,
-            ["--check", "--dtype", "float32", "--tolerance", "1e-15", "--repeats", "1"],
+            CHECK,
+            ["--dtype", "float32", "--tolerance", "1e-15", "--repeats", "1"],
             nproc=2,
             timeout=150,
         )
     errors = [line for line in capsys.readouterr().out.splitlines() if "error:" in line]
     assert len(errors) == 1 and "beyond --tolerance 1e-15." in errors[0], errors
-    assert errors[0].startswith(f"{NAME}: error: ")
+    assert errors[0].startswith("tensor_parallel.py: error: ")
 
 
 @pytest.mark.parametrize(
@@ -307,71 +307,53 @@ def test_a_missed_tolerance_exits_with_code_3(capsys) -> None:
         (
             [],
             3,
-            (
-                "--n-head 4 does not split over 3 tensor-parallel processes, each of "
-                "which keeps whole heads; use a number of them that divides 4."
-            ),
+            HEADS,
         ),
         (
-            ["--seq-len", "63"],
+            ["--layout", "sp", "--seq-len", "63"],
             2,
             (
-                "--seq-len 63 does not split over 2 processes for sequence parallelism; "
-                "use a multiple of 2."
+                "--seq-len 63 does not split over 2 processes for sequence "
+                "parallelism; use a multiple of 2."
             ),
-        ),
-        (
-            ["--mesh", "2x2"],
-            4,
-            "--mesh is for --layout 2d; leave it out, or add --layout 2d.",
         ),
         (
             ["--layout", "2d"],
-            2,
-            (
-                "--mesh 2x2 needs 4 processes, not 2; start 4, or give a mesh DPxTP with "
-                "DP x TP = 2."
-            ),
-        ),
-        (
-            ["--layout", "2d", "--mesh", "2by2"],
-            4,
-            (
-                "--mesh 2by2 is not of the form DPxTP with two positive whole numbers "
-                "(e.g. 2x2)."
-            ),
-        ),
-        (
-            ["--layout", "2d", "--mesh", "1x3", "--n-head", "4"],
             3,
-            (
-                "--n-head 4 does not split over 3 tensor-parallel processes, each of "
-                "which keeps whole heads; use a number of them that divides 4."
-            ),
+            "--dp 2 does not divide 3 processes into rows of a mesh.",
         ),
         (
-            ["--layout", "2d", "--batch-size", "6", "--mesh", "4x1"],
-            4,
-            (
-                "--batch-size 6 does not split evenly over 4 data-parallel groups; use a "
-                "multiple of 4."
-            ),
+            ["--layout", "2d", "--dp", "1", "--n-head", "4"],
+            3,
+            HEADS,
         ),
-        (["--n-head", "3"], 1, "n_embd (64) must be a multiple of n_head (3)."),
+        (
+            ["--layout", "2d", "--batch-size", "6", "--dp", "4"],
+            4,
+            "--batch-size 6 does not split over --dp 4 rows.",
+        ),
+        (["--seq-len", "65"], 1, "--seq-len 65 must be 1 to --block-size, under 856."),
     ],
 )
 def test_bad_input_is_one_sentence(
-    args, world_size, expected, script, monkeypatch, capsys
+    args, world_size, expected, monkeypatch, capsys
 ) -> None:
-    code, err = run_in_process(script, monkeypatch, capsys, args, world_size)
-    assert (code, err) == (2, f"{NAME}: error: {expected}\n")
+    err = refusal(
+        lambda: tensor_parallel_gpt.parse_args(args),
+        monkeypatch,
+        capsys,
+        world_size,
+        NAME,
+    )
+    assert err == f"{NAME}: error: {expected}\n"
 
 
-def test_split_dims_follow_megatron(script) -> None:
-    """Column-parallel layers split their weight's rows, row-parallel its columns."""
+def test_split_dims_follow_megatron() -> None:
+    """Column-parallel layers split their weight's rows, row-parallel its columns:
+    the check's rule, and the slices the script's hand-split layers keep."""
     torch.manual_seed(0)
     names = [n for n, _ in GPT(default_config()).named_parameters()]
-    dims = {n: script.split_dim(n) for n in names}
+    dims = {n: check.split_dim(n) for n in names}
     assert {n for n, d in dims.items() if d == 0} == {
         f"blocks.{i}.{layer}.weight"
         for i in range(2)
@@ -380,3 +362,12 @@ def test_split_dims_follow_megatron(script) -> None:
     assert {n for n, d in dims.items() if d == 1} == {
         f"blocks.{i}.{layer}.proj.weight" for i in range(2) for layer in ("attn", "mlp")
     }
+
+
+@pytest.mark.slow
+def test_the_check_runs_on_two_simulated_gpus() -> None:
+    """Every tensor of the check and the script on its GPU, every collective on nccl."""
+    args = ["--repeats", "1"]
+    out = on_simulated_gpus("checks/tensor_parallel.py", args, nproc=2, timeout=170)
+    assert (out["device"], out["backend"]) == ("cuda", "nccl")
+    assert out["checks"] == dict.fromkeys(CHECKS_1D, True)

@@ -264,6 +264,9 @@ def install(gpus: int) -> None:
     cuda.empty_cache = lambda: None
     cuda.Event = FakeEvent
     cuda.manual_seed = cuda.manual_seed_all = lambda seed: None
+    # torch.random.fork_rng saves and restores every GPU's generator
+    cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    cuda.set_rng_state = lambda state, device="cuda": None
 
     original_init = dist.init_process_group
 
@@ -309,7 +312,7 @@ def install(gpus: int) -> None:
     original_load = torch.load
 
     def load(f, map_location=None, *args, **kwargs):
-        if map_location is None:
+        if map_location is None and _from_user_code():  # torch's own loads are its own
             raise SimulationError(
                 "torch.load without map_location: a file saved on another GPU "
                 "would load onto that GPU"

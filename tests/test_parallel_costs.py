@@ -1,4 +1,4 @@
-"""companion.parallelism: the bubble formula, the timeline figure and the cost model."""
+"""companion.parallel_costs: the bubble formula, the timeline figure and the cost model."""
 
 from __future__ import annotations
 
@@ -13,16 +13,16 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from companion.gpt import GPT, CharText, GPTConfig, lm_loss
 from companion.notebook import CourseError
-from companion.parallelism import (
-    Hardware,
-    Transformer,
+from companion.parallel_costs import (
+    DeviceAndLink,
+    GPTWorkload,
     bubble_fraction,
     plot_pipeline_timeline,
     ring_all_reduce_seconds,
     step_costs,
 )
 
-FAST = Hardware("ideal", flops=1e12, bandwidth=float("inf"), latency=0.0)
+FAST = DeviceAndLink("ideal", flops=1e12, bandwidth=float("inf"), latency=0.0)
 
 
 @pytest.mark.parametrize(
@@ -47,18 +47,18 @@ def test_step_flops_match_the_flop_counter() -> None:
     with FlopCounterMode(display=False) as counter:
         lm_loss(model(x), y).backward()
     head = 3 * 2 * config.vocab_size * config.n_embd * x.numel()
-    ours = Transformer(n_layer=2, n_embd=32, seq_len=32, batch_size=3)
+    ours = GPTWorkload(n_layer=2, n_embd=32, seq_len=32, batch_size=3)
     assert counter.get_total_flops() - head == ours.step_flops
 
 
 def test_ring_all_reduce() -> None:
-    hw = Hardware("link", flops=1.0, bandwidth=100.0, latency=0.5)
+    hw = DeviceAndLink("link", flops=1.0, bandwidth=100.0, latency=0.5)
     assert ring_all_reduce_seconds(400, 1, hw) == 0.0
     assert ring_all_reduce_seconds(400, 4, hw) == pytest.approx(1.5 * 4 + 6 * 0.5)
 
 
 def test_step_costs_on_an_ideal_link_divide_the_compute() -> None:
-    model = Transformer(n_layer=4, n_embd=64, seq_len=64, batch_size=8)
+    model = GPTWorkload(n_layer=4, n_embd=64, seq_len=64, batch_size=8)
     alone = model.step_flops / FAST.flops
     for layout in ("data", "tensor"):
         costs = step_costs(model, FAST, layout, 4)
@@ -71,8 +71,8 @@ def test_step_costs_on_an_ideal_link_divide_the_compute() -> None:
 
 
 def test_step_costs_count_the_bytes() -> None:
-    model = Transformer(n_layer=2, n_embd=8, seq_len=4, batch_size=2, dtype_bytes=4)
-    hw = Hardware("slow", flops=float("inf"), bandwidth=1000.0, latency=0.01)
+    model = GPTWorkload(n_layer=2, n_embd=8, seq_len=4, batch_size=2, dtype_bytes=4)
+    hw = DeviceAndLink("slow", flops=float("inf"), bandwidth=1000.0, latency=0.01)
     # data: the 12 * 2 * 64 parameters' 4 bytes, all-reduced over 2 devices.
     assert step_costs(model, hw, "data", 2)["total"] == pytest.approx(
         6144 / 1000 + 2 * 0.01
@@ -81,12 +81,24 @@ def test_step_costs_count_the_bytes() -> None:
     assert step_costs(model, hw, "tensor", 2)["total"] == pytest.approx(
         8 * (256 / 1000 + 2 * 0.01)
     )
-    # pipeline: a quarter of the activations across 1 boundary, each way.
-    assert step_costs(model, hw, "pipeline", 2, microbatches=4)[
+    # pipeline, 4 micro-batches of 4 sequences: a quarter of the 4 x 4 x 8 x 4
+    # bytes of activations across 1 boundary, each way.
+    four = GPTWorkload(n_layer=2, n_embd=8, seq_len=4, batch_size=4, dtype_bytes=4)
+    assert step_costs(four, hw, "pipeline", 2, microbatches=4)[
         "communication"
-    ] == pytest.approx(2 * (64 / 1000 + 0.01))
+    ] == pytest.approx(2 * (128 / 1000 + 0.01))
     with pytest.raises(CourseError, match="not 'expert'"):
         step_costs(model, hw, "expert", 2)
+
+
+def test_step_costs_refuse_more_micro_batches_than_sequences() -> None:
+    model = GPTWorkload(n_layer=2, n_embd=8, seq_len=4, batch_size=8)
+    assert step_costs(model, FAST, "pipeline", 2, microbatches=8)["bubble"] > 0
+    with pytest.raises(
+        CourseError,
+        match=r"^9 micro-batches cannot split a batch of 8 sequences; use at most 8\.$",
+    ):
+        step_costs(model, FAST, "pipeline", 2, microbatches=9)
 
 
 def test_the_timeline_draws_every_pass() -> None:

@@ -1,17 +1,19 @@
-"""Model parallelism in numbers: pipeline timelines, bubbles and a small cost model.
+"""What parallel layouts cost: pipeline bubbles and timelines, and a step-time model.
 
 Chapter 13 measures tensor, sequence and pipeline parallelism with its
-standalone scripts; this module holds what the notebook does with their
-results:
+standalone scripts and their checks; this module holds the formulas and the
+figure the chapter sets beside the measurements:
 
 - ``bubble_fraction``, the idle share of a pipeline step with equal stages,
   and ``plot_pipeline_timeline``, which draws the forward and backward
-  passes each process ran, as a pipeline script recorded them;
-- a cost model (``Hardware``, ``Transformer``, ``step_costs``) that predicts
-  the seconds of one training step for data, tensor and pipeline parallelism
-  from FLOPs, bytes and a link's bandwidth and latency. It ignores overlap,
-  kernels' efficiency at small sizes and the framework's own overheads,
-  which is where its predictions and a measurement part.
+  passes each process ran, as ``companion/checks/pipeline.py`` recorded them;
+- a cost model (``DeviceAndLink``, ``GPTWorkload``, ``step_costs``) that
+  predicts the seconds of one training step for data, tensor and pipeline
+  parallelism from FLOPs, bytes and a link's bandwidth and latency. It
+  ignores overlap, kernels' efficiency at small sizes and the framework's own
+  overheads, which is where its predictions and a measurement part.
+
+Used in chapter 13.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from companion.notebook import CourseError
 from companion.plotting import new_axes
 
 __all__ = [
-    "Hardware",
-    "Transformer",
+    "DeviceAndLink",
+    "GPTWorkload",
     "bubble_fraction",
     "plot_pipeline_timeline",
     "ring_all_reduce_seconds",
@@ -57,10 +59,10 @@ def plot_pipeline_timeline(
 ) -> Axes:
     """Draw each process's forward (F) and backward (B) passes over one step.
 
-    ``timeline`` is a pipeline script's record: ``events``, one list per
-    process of ``[kind, stage, micro-batch, start, end]`` in seconds, and
-    ``makespan``, the step's length. Each pass is a bar labelled with its
-    micro-batch; the white gaps are the bubble.
+    ``timeline`` is a step as ``companion/checks/pipeline.py`` records it:
+    ``events``, one list per process of ``[kind, stage, micro-batch, start,
+    end]`` in seconds, and ``makespan``, the step's length. Each pass is a
+    bar labelled with its micro-batch; the white gaps are the bubble.
     """
     events: Sequence[Sequence] = timeline["events"]
     if ax is None:
@@ -105,7 +107,7 @@ def plot_pipeline_timeline(
 
 
 @dataclass(frozen=True)
-class Hardware:
+class DeviceAndLink:
     """A device and the link between devices, as the cost model sees them."""
 
     name: str
@@ -115,7 +117,7 @@ class Hardware:
 
 
 @dataclass(frozen=True)
-class Transformer:
+class GPTWorkload:
     """A GPT-style model and the batch it trains on."""
 
     n_layer: int
@@ -144,7 +146,7 @@ class Transformer:
         return self.batch_size * self.seq_len * self.n_embd * self.dtype_bytes
 
 
-def ring_all_reduce_seconds(nbytes: float, processes: int, hw: Hardware) -> float:
+def ring_all_reduce_seconds(nbytes: float, processes: int, hw: DeviceAndLink) -> float:
     """A ring all-reduce: each device sends 2 (N - 1) / N of the bytes in 2 (N - 1) messages."""
     if processes == 1:
         return 0.0
@@ -153,7 +155,11 @@ def ring_all_reduce_seconds(nbytes: float, processes: int, hw: Hardware) -> floa
 
 
 def step_costs(
-    model: Transformer, hw: Hardware, layout: str, processes: int, microbatches: int = 1
+    model: GPTWorkload,
+    hw: DeviceAndLink,
+    layout: str,
+    processes: int,
+    microbatches: int = 1,
 ) -> dict[str, float]:
     """Predicted seconds of one training step: compute, communication, bubble and total.
 
@@ -164,7 +170,8 @@ def step_costs(
     - ``"tensor"``: every block split across the N devices (Megatron-LM):
       1/N of the FLOPs, and four all-reduces of the B T d activations per
       block and step (two forward, two backward);
-    - ``"pipeline"``: N stages of L/N blocks and ``microbatches`` micro-batches:
+    - ``"pipeline"``: N stages of L/N blocks and ``microbatches`` micro-batches
+      (at most the batch's sequences):
       the compute of one stage, stretched by the bubble, and one
       micro-batch's activations and gradients sent across every boundary.
     """
@@ -180,6 +187,11 @@ def step_costs(
             4 * model.n_layer * ring_all_reduce_seconds(model.activation_bytes, n, hw)
         )
     elif layout == "pipeline":
+        if microbatches > model.batch_size:
+            raise CourseError(
+                f"{microbatches} micro-batches cannot split a batch of "
+                f"{model.batch_size} sequences; use at most {model.batch_size}."
+            )
         fraction = bubble_fraction(n, microbatches)
         bubble = compute * fraction / (1 - fraction)
         # On the critical path: one micro-batch's activations cross the p - 1

@@ -1,0 +1,79 @@
+"""What the check programs of ``companion/checks/`` share.
+
+A check runs a standalone script's own functions in several processes,
+measures around them, and judges the measurements against formulas on rank 0
+(see ``companion/checks/__init__.py``). This module holds the pieces every
+check needs: the tolerance of a comparison with the plain model, a clock
+that waits for the device, the processes' records gathered, and one ending
+for all of them (rank 0's results file, and exit code 3 with one sentence
+when a check missed). Used in chapters 12 and 13.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from companion.timing import synchronize
+
+__all__ = ["TOLERANCES", "clock", "every_rank", "finish", "print0", "tolerance"]
+
+# Largest loss difference from the plain model that counts as equal. float64:
+# a few Adam steps land about 1e-15 from one process, on CPUs with gloo and on
+# GPUs with nccl (which sums in another order), so 1e-10 leaves a wide margin;
+# float32 differs by about 1e-6 on CPUs, and more where a GPU's kernels or
+# TF32 change the rounding: checks compare in float64 by default.
+TOLERANCES = {"float64": 1e-10, "float32": 1e-4}
+
+
+def tolerance(dtype: str, given: float | None = None) -> float:
+    """``given``, else the tolerance of ``dtype`` (``"float32"`` or ``"float64"``)."""
+    return TOLERANCES[dtype] if given is None else given
+
+
+def clock() -> float:
+    """Seconds on a monotonic clock, read once the device's queued work is done.
+
+    On a GPU a host clock read without waiting would time kernel launches.
+    """
+    synchronize()
+    return time.perf_counter()
+
+
+def print0(*args: object) -> None:
+    """Print on rank 0 only."""
+    if dist.get_rank() == 0:
+        print(*args, flush=True)
+
+
+def every_rank(record: Any) -> list[Any]:
+    """Every rank's ``record`` (anything picklable), in rank order, on every rank."""
+    records: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(records, record)
+    return records
+
+
+def finish(results: dict[str, Any] | None, failure: str, path: str | None) -> None:
+    """End the check alike on every rank.
+
+    Rank 0 writes ``results`` to ``path`` (when both are given) and tells the
+    others ``failure``: "" ends every rank normally; a sentence ends every
+    rank with exit code 3, and rank 0 prints it.
+    """
+    if dist.get_rank() == 0 and results is not None and path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+    verdict = [failure]
+    dist.broadcast_object_list(verdict, src=0)
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    if verdict[0]:
+        if rank == 0:
+            name = os.path.basename(sys.argv[0])
+            print(f"{name}: error: {verdict[0]}", file=sys.stderr, flush=True)
+        sys.exit(3)

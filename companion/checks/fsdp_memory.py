@@ -1,0 +1,478 @@
+"""What fsdp_gpt.py holds and sends per rank, against the ZeRO-3 formulas.
+
+    launch("checks/fsdp_memory.py", ["--steps", "5", "--save", DIR], nproc=4)
+    torchrun --standalone --nproc-per-node=2 companion/checks/fsdp_memory.py --steps 3
+
+It takes fsdp_gpt.py's flags (and ``--tolerance``), runs the script's own
+functions, and measures:
+
+- the bytes each rank holds after the first step, from the local shards of
+  the parameters, their gradients and Adam's state, against ZeRO-3 with
+  FSDP2's split (dim 0 as ``torch.chunk`` cuts it, padded to ``ceil(rows /
+  N)`` rows in storage); Adam's step counters are float32 scalars, whole on
+  every rank;
+- the collectives of every step (``companion.collectives``) and the
+  unsharded parameter bytes between forward and backward, for three
+  settings of ``reshard_after_forward``: "on" (the blocks; the root left to
+  FSDP2, which keeps it), "off" and "all-on" (the root too), against their
+  formulas; one process makes no collective at all;
+- on CUDA, each rank's peak of allocated memory during the sharded run;
+- with ``--save``, the script's two saves: the seconds on rank 0, the bytes
+  of tensors each rank holds in the state it saves, the growth of rank 0's
+  peak resident memory (``ru_maxrss``, KiB) and, on CUDA, the peak allocated;
+- the losses against the plain model trained by rank 0 in one process from
+  step 0 (``companion.gpt.plain_losses``).
+
+Writes rank 0's results (``--results FILE``) for chapter 12. Exit codes: 0
+every measurement meets its formula; 3 one missed, said in one sentence; 2 bad
+input; 1 crashed. The formulas describe FSDP2 as torch 2.10 to 2.14 implement
+it (counts verified on both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import resource
+import sys
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.tensor import DTensor, init_device_mesh
+
+from companion.checking import clock, every_rank, finish, print0, tolerance
+from companion.collectives import CollectiveCounter
+from companion.gpt import GPTConfig, plain_losses
+from companion.memory import shard_rows, tensor_bytes
+from companion.scripts import fsdp_gpt
+
+STEP_BYTES = 4  # Adam's step counter: a float32 scalar per parameter tensor
+# reshard_after_forward of the blocks and of the root (None: FSDP2's choice).
+SETTINGS = {"on": (True, None), "off": (False, False), "all-on": (True, True)}
+
+
+def units_of(model: nn.Module) -> list[dict]:
+    """The FSDP units (each block, then the root) and their parameters' shapes."""
+    units = [
+        {"name": f"blocks.{i}", "parameters": []} for i in range(len(model.blocks))
+    ]
+    units.append({"name": "root", "parameters": []})
+    for name, p in model.named_parameters():
+        index = int(name.split(".")[1]) if name.startswith("blocks.") else -1
+        units[index]["parameters"].append({"name": name, "shape": list(p.shape)})
+    return units
+
+
+def padded_shard(shape: list[int], world_size: int) -> int:
+    """Elements each rank allocates for a parameter: ``ceil(rows / N)`` rows."""
+    return math.ceil(shape[0] / world_size) * math.prod(shape[1:])
+
+
+def measure_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Bytes of this rank's parameters, gradients and Adam state (after a step)."""
+    params = list(model.parameters())
+    state = [kv for per_param in optimizer.state.values() for kv in per_param.items()]
+    steps = [v for k, v in state if k == "step"]
+    return {
+        "parameters": tensor_bytes(params),
+        "gradients": tensor_bytes(p.grad for p in params if p.grad is not None),
+        "optimizer_state": tensor_bytes(v for k, v in state if k != "step"),
+        "step_counters": {
+            "count": len(steps),
+            "bytes": tensor_bytes(steps)["local"],
+            "dtype": sorted({str(v.dtype) for v in steps}),
+            "sharded": any(isinstance(v, DTensor) for v in steps),
+        },
+    }
+
+
+def predict_state(units: list[dict], world_size: int, rank: int, b: int) -> dict:
+    """What ``measure_state`` should find on ``rank``: ZeRO-3 as FSDP2 splits dim 0."""
+    shapes = [p["shape"] for u in units for p in u["parameters"]]
+    owned = b * sum(
+        shard_rows(s[0], world_size, rank) * math.prod(s[1:]) for s in shapes
+    )
+    padded = b * sum(padded_shard(s, world_size) for s in shapes)
+    return {
+        "parameters": {"local": owned, "storage": padded},
+        # One flat buffer per unit: the reduce-scatter's output, padded.
+        "gradients": {"local": owned, "storage": padded},
+        # exp_avg and exp_avg_sq: zeros_like the local shard, without padding.
+        "optimizer_state": {"local": 2 * owned, "storage": 2 * owned},
+        "step_counters": {
+            "count": len(shapes),
+            "bytes": STEP_BYTES * len(shapes),
+            "dtype": ["torch.float32"],
+            "sharded": False,
+        },
+    }
+
+
+def zero_formulas(n_params: int, n_tensors: int, world_size: int, b: int) -> dict:
+    """Bytes per rank for Adam under each ZeRO stage: P params of b bytes, N ranks."""
+    psi, n = n_params * b, world_size
+    rows = {
+        "no sharding (DDP)": (psi, psi, 2 * psi),
+        "ZeRO-1": (psi, psi, 2 * psi / n),
+        "ZeRO-2": (psi, psi / n, 2 * psi / n),
+        "ZeRO-3": (psi / n, psi / n, 2 * psi / n),
+    }
+    kinds = ("parameters", "gradients", "optimizer_state")
+    return {
+        "P": n_params,
+        "bytes_per_element": b,
+        "N": n,
+        "step_counters_bytes": STEP_BYTES * n_tensors,  # on top, in every row
+        "stages": {stage: dict(zip(kinds, row)) for stage, row in rows.items()},
+    }
+
+
+def predict_communication(units: list[dict], n: int, b: int, setting: str) -> dict:
+    """Collectives of one training step, and the unsharded bytes after forward.
+
+    Unit u's padded shard has S_u elements; its all-gather sends S_u and
+    receives N S_u, its reduce-scatter sends N S_u and keeps S_u. Every unit
+    all-gathers before forward; a unit that resharded after forward gathers
+    again before backward. One process: no collectives.
+    """
+    shard = {
+        u["name"]: b * sum(padded_shard(p["shape"], n) for p in u["parameters"])
+        for u in units
+    }
+    blocks, root = SETTINGS[setting]
+    resharded = {name: bool(root if name == "root" else blocks) for name in shard}
+    kept = sum(n * s for name, s in shard.items() if not resharded[name])
+    if n == 1:
+        return {"collectives": {}, "unsharded_bytes_after_forward": kept}
+    gathers = {name: 2 if resharded[name] else 1 for name in shard}
+    return {
+        "collectives": {
+            "all-gather": {
+                "calls": sum(gathers.values()),
+                "input_bytes": sum(gathers[u] * s for u, s in shard.items()),
+                "output_bytes": sum(gathers[u] * n * s for u, s in shard.items()),
+            },
+            "reduce-scatter": {
+                "calls": len(shard),
+                "input_bytes": sum(n * s for s in shard.values()),
+                "output_bytes": sum(shard.values()),
+            },
+        },
+        "unsharded_bytes_after_forward": kept,
+    }
+
+
+def unsharded_parameter_bytes(model: nn.Module) -> int:
+    """Bytes behind the parameters that are unsharded now (plain tensors)."""
+    return tensor_bytes(p for p in model.parameters() if not isinstance(p, DTensor))[
+        "storage"
+    ]
+
+
+def train_counted(model: nn.Module, optimizer, batches: list) -> dict:
+    """Train with fsdp_gpt's ``train_step``; count every step's collectives, the
+    unsharded bytes between the first forward and its backward, and the state's
+    bytes after the first step, while the gradients exist."""
+    run: dict[str, Any] = {"losses": [], "per_step": []}
+
+    def after_forward(*_: object) -> None:  # after FSDP2's own post-forward hook
+        run.setdefault("after_forward", unsharded_parameter_bytes(model))
+
+    hook = model.register_forward_hook(after_forward)
+    for x, y in batches:
+        with CollectiveCounter() as counter:
+            loss = fsdp_gpt.train_step(model, optimizer, x, y)
+        run["per_step"].append(counter.total())
+        run.setdefault("state", measure_state(model, optimizer))
+        run["losses"].append(fsdp_gpt.mean_over_ranks(loss))
+    hook.remove()
+    return run
+
+
+@contextlib.contextmanager
+def measured(device: torch.device) -> Iterator[dict]:
+    """Time a block that every rank runs, on rank 0, and record its memory."""
+    record: dict[str, Any] = {}
+    dist.barrier()  # everyone starts together
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    rss, start = max_rss_kib(), clock()
+    yield record
+    dist.barrier()  # and the last one to finish ends it
+    record["seconds"] = clock() - start
+    record["max_rss_growth_kib"] = max_rss_kib() - rss
+    record["cuda_max_memory_allocated"] = cuda_peak(device)
+
+
+def max_rss_kib() -> int:
+    """Peak resident memory of this process so far, in KiB."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak // 1024 if sys.platform == "darwin" else peak  # macOS: bytes
+
+
+def cuda_peak(device: torch.device) -> int | None:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def held_bytes(state: Any) -> int:
+    """Bytes of the tensors in a (nested) state dict, local shards for DTensors."""
+    if isinstance(state, dict):
+        return sum(held_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(held_bytes(v) for v in state)
+    return tensor_bytes([state])["local"] if isinstance(state, torch.Tensor) else 0
+
+
+def save_measured(model, optimizer, folder: Path, meta: dict, device) -> dict:
+    """The script's two saves, each measured: sharded (DCP), then gathered."""
+    with measured(device) as dcp:
+        state = fsdp_gpt.sharded_state(model, optimizer)  # DTensors: no copies
+        dcp["held_bytes_per_rank"] = every_rank(held_bytes(state))
+        fsdp_gpt.save_checkpoint(state, folder, meta)
+    with measured(device) as gathered:
+        state = fsdp_gpt.full_state(model, optimizer)  # on rank 0, on the CPU
+        gathered["held_bytes_per_rank"] = every_rank(held_bytes(state))
+        fsdp_gpt.save_full_state(state, folder / "full_state.pt")
+    del state
+    files = [
+        {"name": p.name, "bytes": p.stat().st_size}
+        for p in sorted(folder.iterdir())
+        if p.is_file()
+    ]
+    dcp["files"] = [f for f in files if f["name"] != "full_state.pt"]
+    gathered["files"] = [f for f in files if f["name"] == "full_state.pt"]
+    return {"path": str(folder), "dcp": dcp, "gathered": gathered}
+
+
+def judge(run: dict, everyone: list[dict], reference: list[float], tol: float):
+    """On rank 0: the results and the sentence for exit code 3 ("" if none)."""
+    n, b, units = run["world_size"], run["dtype_bytes"], run.pop("units")
+    predicted_state = [predict_state(units, n, r, b) for r in range(n)]
+    predicted = {s: predict_communication(units, n, b, s) for s in SETTINGS}
+    measured_states = [e["state"] for e in everyone]
+    comm = everyone[0]["communication"]
+    diff = max(abs(a - r) for a, r in zip(run["losses"], reference))
+    checks = {
+        "memory": measured_states == predicted_state,
+        "communication": all(
+            step == predicted[s]["collectives"]
+            and e["communication"][s]["unsharded_bytes_after_forward"]
+            == predicted[s]["unsharded_bytes_after_forward"]
+            for e in everyone
+            for s in SETTINGS
+            for step in e["communication"][s]["per_step"]
+        ),
+        "losses": diff <= tol,
+    }
+    results = {
+        **run,
+        "reference_losses": reference,
+        "max_loss_diff": diff,
+        "tolerance": tol,
+        "memory": {
+            "measured": measured_states,
+            "predicted": predicted_state,
+            "zero": zero_formulas(run["n_params"], run["n_param_tensors"], n, b),
+            "units": [
+                {
+                    "name": u["name"],
+                    "numel": sum(math.prod(p["shape"]) for p in u["parameters"]),
+                    "padded_shard_numel": sum(
+                        padded_shard(p["shape"], n) for p in u["parameters"]
+                    ),
+                    "parameters": [
+                        p
+                        | {
+                            "rows_per_rank": [
+                                shard_rows(p["shape"][0], n, r) for r in range(n)
+                            ],
+                            "padded_rows": math.ceil(p["shape"][0] / n),
+                        }
+                        for p in u["parameters"]
+                    ],
+                }
+                for u in units
+            ],
+        },
+        "communication": {
+            s: comm[s]
+            | {
+                "predicted": predicted[s]["collectives"],
+                "predicted_unsharded_bytes_after_forward": predicted[s][
+                    "unsharded_bytes_after_forward"
+                ],
+                "same_on_every_rank": all(
+                    e["communication"][s] == comm[s] for e in everyone
+                ),
+            }
+            for s in SETTINGS
+        },
+        "cuda_peak_bytes_per_rank": [e["cuda_peak"] for e in everyone]
+        if run["device"] == "cuda"
+        else None,
+        "checks": checks,
+    }
+    mine = measured_states[0]
+    print0(
+        f"rank 0 holds {mine['parameters']['storage']} B of parameters, "
+        f"{mine['gradients']['storage']} B of gradients and "
+        f"{mine['optimizer_state']['storage'] + mine['step_counters']['bytes']} B of "
+        f"Adam state; the model's parameters take {run['n_params'] * b} B"
+    )
+    for s in SETTINGS:
+        said = [
+            f"{v['calls']} {k}s ({v['output_bytes']} B out)"
+            for k, v in comm[s]["per_step"][0].items()
+        ]
+        print0(
+            f"reshard_after_forward {s:6s}: {', '.join(said) or 'no collectives'} per "
+            f"step; {comm[s]['unsharded_bytes_after_forward']} B unsharded "
+            "between forward and backward"
+        )
+    print0(
+        "checks: "
+        + ", ".join(f"{k} {'ok' if v else 'MISSED'}" for k, v in checks.items())
+        + f" (largest loss difference ~{diff:.1e})"
+    )
+    failures = {
+        "losses": f"the losses ended {diff:.1e} from the plain one-process run, "
+        f"beyond --tolerance {tol:g}",
+        "memory": "the bytes a rank holds differ from the ZeRO-3 formula; see "
+        "memory in the results",
+        "communication": "the collectives of a step differ from their formula; "
+        "see communication in the results",
+    }
+    return results, next((failures[k] for k, ok in checks.items() if not ok), "")
+
+
+@record
+def main() -> None:
+    own = argparse.ArgumentParser(add_help=False)
+    own.add_argument("--tolerance", type=float, help="of the losses (default: 1e-10)")
+    mine, rest = own.parse_known_args()
+    args = fsdp_gpt.parse_args(rest)
+    saved = args.meta["settings"] if args.meta else {}
+    changed = [k for k, v in saved.items() if getattr(args, k) != v]
+    if changed:  # the plain run that the losses are compared with starts at step 0
+        flag = "--" + changed[0].replace("_", "-")
+        fsdp_gpt.fail(f"{flag} differs from the checkpoint's; leave it out.")
+    rank, _, world_size, device = fsdp_gpt.setup_distributed(args.timeout)
+    wall = clock()
+    config = fsdp_gpt.model_config(args)
+    start = args.meta["step"] if args.meta else 0
+    batches = fsdp_gpt.global_batches(args, start, args.steps, device)
+    mesh = init_device_mesh(device.type, (world_size,))
+    print0(
+        f"{world_size} process{'es' if world_size > 1 else ''} on {device.type}: "
+        f"{config.n_layer} blocks of width {config.n_embd} in {args.dtype}, global "
+        f"batch {args.batch_size} x {args.seq_len}, steps {start} to "
+        f"{start + args.steps - 1}"
+    )
+
+    def sharded(setting: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = fsdp_gpt.build_model(config, args.seed, args.dtype, device)
+        fsdp_gpt.shard_model(model, mesh, *SETTINGS[setting])
+        return model, torch.optim.Adam(model.parameters(), lr=args.lr)
+
+    if device.type == "cuda":  # the peak of the sharded run alone
+        torch.cuda.reset_peak_memory_stats(device)
+    model, optimizer = sharded(args.reshard_after_forward)
+    units = units_of(model)
+    checkpoint: dict[str, Any] = {}
+    if args.load:
+        with measured(device) as checkpoint["load"]:
+            fsdp_gpt.load_checkpoint(model, optimizer, args.load.resolve())
+        checkpoint["load"] |= {"saved_by_world_size": args.meta["world_size"]}
+        print0(
+            f"loaded {args.load.name} (saved by {args.meta['world_size']} processes "
+            f"at step {start}) in {checkpoint['load']['seconds']:.2f} s"
+        )
+    tic = clock()
+    run = train_counted(model, optimizer, batches)
+    seconds = {"train": clock() - tic}
+    peak = cuda_peak(device)
+    for step, loss in enumerate(run["losses"], start):
+        print0(f"step {step:3d}  loss {loss:.6f}")
+    # One counted step of each other setting, on a fresh model: the counts and
+    # sizes do not depend on the values.
+    communication = {}
+    for setting in SETTINGS:
+        counted = (
+            run
+            if setting == args.reshard_after_forward
+            else train_counted(*sharded(setting), batches[:1])
+        )
+        communication[setting] = {
+            "per_step": counted["per_step"],
+            "unsharded_bytes_after_forward": counted["after_forward"],
+        }
+    if args.save:
+        settings = {k: getattr(args, k) for k in fsdp_gpt.SETTINGS}
+        meta = {
+            "step": start + args.steps,
+            "world_size": world_size,
+            "settings": settings,
+        }
+        checkpoint["save"] = save_measured(
+            model, optimizer, args.save.resolve(), meta, device
+        )
+        print0(
+            f"saved {args.save.name}: sharded with DCP in "
+            f"{checkpoint['save']['dcp']['seconds']:.3f} s, gathered to rank 0 and "
+            f"torch.save in {checkpoint['save']['gathered']['seconds']:.3f} s"
+        )
+    everyone = every_rank(
+        {"state": run["state"], "communication": communication, "cuda_peak": peak}
+    )
+    results, failure = None, ""
+    if rank == 0:
+        tic = clock()
+        all_batches = fsdp_gpt.global_batches(args, 0, start + args.steps, device)
+        reference = plain_losses(
+            GPTConfig(**asdict(config)),
+            all_batches,
+            lr=args.lr,
+            seed=args.seed,
+            dtype=fsdp_gpt.DTYPES[args.dtype],
+            device=device,
+        )[start:]
+        seconds["reference"] = clock() - tic
+        seconds["total"] = clock() - wall
+        shapes = [p["shape"] for u in units for p in u["parameters"]]
+        info = {
+            **fsdp_gpt.where_it_ran(device),
+            "check": "fsdp_memory.py",
+            "torch": str(torch.__version__),
+            "world_size": world_size,
+            "config": asdict(config),
+            "n_params": sum(math.prod(s) for s in shapes),
+            "n_param_tensors": len(shapes),
+            "dtype": args.dtype,
+            "dtype_bytes": fsdp_gpt.DTYPES[args.dtype].itemsize,
+            "batch_size": args.batch_size,
+            "micro_batch_size": args.batch_size // world_size,
+            "seq_len": args.seq_len,
+            "lr": args.lr,
+            "seed": args.seed,
+            "reshard_after_forward": args.reshard_after_forward,
+            "steps": list(range(start, start + args.steps)),
+            "losses": run["losses"],
+            "units": units,
+            "checkpoint": checkpoint,
+            "seconds": seconds,
+        }
+        results, failure = judge(
+            info, everyone, reference, tolerance(args.dtype, mine.tolerance)
+        )
+    finish(results, failure, args.results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""companion.checking: what the check programs share."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch.distributed as dist
+from gpt_scripts import one_process_group
+
+from companion.checking import clock, every_rank, finish, tolerance
+
+
+def test_tolerances_follow_the_dtype_unless_given() -> None:
+    assert tolerance("float64") == 1e-10
+    assert tolerance("float32") == 1e-4
+    assert tolerance("float32", 1e-2) == 1e-2
+
+
+def test_the_clock_moves_forward() -> None:
+    first = clock()
+    assert clock() >= first
+
+
+def test_a_passed_check_writes_its_results_and_ends_quietly(tmp_path, capsys) -> None:
+    path = tmp_path / "results.json"
+    with one_process_group():
+        assert every_rank({"rank": 0}) == [{"rank": 0}]
+        finish({"checks": {"losses": True}}, "", str(path))
+        assert not dist.is_initialized()  # finish ended the group
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    assert json.loads(path.read_text()) == {"checks": {"losses": True}}
+    assert capsys.readouterr().err == ""
+
+
+def test_a_missed_check_exits_with_code_3_and_one_sentence(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    monkeypatch.setattr("sys.argv", ["some_check.py"])
+    path = tmp_path / "results.json"
+    with one_process_group():
+        with pytest.raises(SystemExit) as stopped:
+            finish({"checks": {"losses": False}}, "the losses differ.", str(path))
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    assert stopped.value.code == 3
+    assert capsys.readouterr().err == "some_check.py: error: the losses differ.\n"
+    assert json.loads(path.read_text())["checks"] == {"losses": False}  # written first
