@@ -1,0 +1,396 @@
+"""Check expert_parallel.py against the same mixture of experts in one process.
+
+    torchrun --standalone --nproc-per-node=4 companion/checks/expert_parallel.py
+
+Each rank holds n_experts / N of the experts of the script's ``MoE`` layer
+and routes its own tokens (one group per rank). In float64, the check
+compares, by wrapping the script's ``send_slices`` (the all-to-all):
+
+- the layer's output and the gradients of its input, its experts and its
+  router (summed over the ranks) with the layer holding every expert in one
+  process, run on each rank's tokens in turn;
+- the tokens the experts receive (nonzero rows after the dispatch) and the
+  results that come back, with the choices kept: every token accounted for;
+- the choices each expert gets from each rank, the dropped ones and each
+  rank's rows for several capacity factors;
+- the bytes each rank sends to the others, per all-to-all;
+- a layer whose router starts out sending nearly every token to one expert
+  (top-1, as in the Switch Transformer), trained to imitate a fixed MLP with
+  and without the load-balancing loss: the busiest expert's load and the
+  dropped tokens at every step;
+- the script's GPT trained a few steps with its experts split across the
+  ranks, against the same model in one process (rank 0), loss by loss.
+
+Rank 0 compares every count with its formula in ``companion.long_context``
+and writes the results (``--results FILE``) for chapter 14. Exit codes: 0
+every count meets its formula; 3 one missed, said in one sentence; 2 bad
+input; 1 crashed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from companion.checking import every_rank, finish, print0, tolerance
+from companion.long_context import (
+    all_to_all_bytes_per_rank,
+    dropped_tokens,
+    expert_capacity,
+)
+from companion.scripts import expert_parallel as ep
+
+DTYPE = torch.float64
+
+
+class Traffic:
+    """What each call of ``send_slices`` on this rank sent and received."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    @contextlib.contextmanager
+    def watching(self, phase: str) -> Iterator[None]:
+        original = ep.send_slices
+        world_size = dist.get_world_size()
+
+        def send_slices(x: torch.Tensor) -> torch.Tensor:
+            out = original(x)
+            rows = out.reshape(out.shape[0], -1)
+            self.calls.append(
+                {
+                    "phase": phase,
+                    "bytes_to_others": x.numel()
+                    * x.element_size()
+                    * (world_size - 1)
+                    // world_size,
+                    "nonzero_rows_received": int((rows != 0).any(dim=1).sum()),
+                }
+            )
+            return out
+
+        ep.send_slices = send_slices
+        try:
+            yield
+        finally:
+            ep.send_slices = original
+
+
+def layer_config(args: argparse.Namespace, capacity_factor: float, top_k: int):
+    return ep.GPTConfig(
+        n_embd=args.width,
+        n_experts=args.experts,
+        top_k=top_k,
+        capacity_factor=capacity_factor,
+    )
+
+
+def layers(config, rank: int, world_size: int):
+    """The layer with this rank's experts, and the whole layer, equal at start."""
+    torch.manual_seed(0)  # the router: the same on every rank
+    split = ep.MoE(config, rank, world_size).to(DTYPE)
+    whole = ep.MoE(config).to(DTYPE)
+    whole.router.load_state_dict(split.router.state_dict())
+    return split, whole
+
+
+def all_tokens(args: argparse.Namespace, world_size: int) -> torch.Tensor:
+    """Every rank's tokens, (N, tokens, width): each rank can make all of them."""
+    g = torch.Generator().manual_seed(args.seed)
+    return torch.randn(world_size, args.tokens, args.width, generator=g, dtype=DTYPE)
+
+
+def check_layer(args, rank: int, world_size: int, device) -> dict:
+    """The split layer against the whole one: output, gradients, traffic."""
+    config = layer_config(args, args.capacity_factor, args.top_k)
+    split, whole = (m.to(device) for m in layers(config, rank, world_size))
+    tokens = all_tokens(args, world_size).to(device)
+    x = tokens[rank][None].clone().requires_grad_()
+    traffic = Traffic()
+    with traffic.watching("forward"):
+        y = split(x)
+    with traffic.watching("backward"):
+        y.backward(torch.ones_like(y))  # the gradient of sum(y)
+    for p in split.router.parameters():
+        dist.all_reduce(p.grad)
+    counts = []
+    for r in range(world_size):  # the whole layer on each rank's group in turn
+        xr = tokens[r][None].clone().requires_grad_()
+        yr = whole(xr)
+        yr.backward(torch.ones_like(yr))
+        counts.append(whole.load.tolist())
+        if r == rank:
+            expected = (yr.detach(), xr.grad)
+    mine = slice(rank * split.local, (rank + 1) * split.local)
+    pairs = {
+        "output": (y.detach(), expected[0]),
+        "input gradient": (x.grad, expected[1]),
+        "expert gradients": (
+            torch.cat([split.fc.grad.flatten(), split.proj.grad.flatten()]),
+            torch.cat([whole.fc.grad[mine].flatten(), whole.proj.grad[mine].flatten()]),
+        ),
+        "router gradient": (split.router.weight.grad, whole.router.weight.grad),
+    }
+    return {
+        "max_diff": {k: (a - b).abs().max().item() for k, (a, b) in pairs.items()},
+        "counts": counts,  # [source rank][expert], from the whole layer
+        "capacity": split.capacity(args.tokens),
+        "traffic": traffic.calls,
+    }
+
+
+def capacity_sweep(args, rank: int, world_size: int, device) -> list[dict]:
+    """Choices and the rows the experts receive, for several capacity factors."""
+    rows = []
+    tokens = all_tokens(args, world_size).to(device)
+    for factor in args.sweep:
+        split, _ = layers(layer_config(args, factor, args.top_k), rank, world_size)
+        traffic = Traffic()
+        with torch.no_grad(), traffic.watching("forward"):
+            split.to(device)(tokens[rank][None])
+        rows.append(
+            {
+                "capacity_factor": factor,
+                "capacity": split.capacity(args.tokens),
+                "counts": split.load.tolist(),  # this rank's choices per expert
+                "received": traffic.calls[0]["nonzero_rows_received"],
+                "returned": traffic.calls[1]["nonzero_rows_received"],
+                "rows": split.local * world_size * split.capacity(args.tokens),
+            }
+        )
+    return rows
+
+
+def balance_run(args, rank: int, world_size: int, device, weight: float) -> dict:
+    """A top-1 layer whose router favours expert 0, trained to imitate a fixed MLP;
+    the busiest expert's share of the tokens and the dropped ones, step by step."""
+    split, _ = layers(layer_config(args, args.capacity_factor, 1), rank, world_size)
+    g = torch.Generator().manual_seed(args.seed + 1)
+    favoured = torch.randn(args.width, generator=g, dtype=DTYPE)
+    favoured /= favoured.norm()
+    with torch.no_grad():  # tokens lean towards one direction, and so does expert 0
+        split.router.weight[0] += favoured
+    teacher = torch.nn.Sequential(
+        torch.nn.Linear(args.width, 2 * args.width),
+        torch.nn.GELU(),
+        torch.nn.Linear(2 * args.width, args.width),
+    ).to(device, DTYPE)
+    split.to(device)
+    optimizer = torch.optim.Adam(split.parameters(), lr=args.balance_lr)
+    busiest, dropped = [], []
+    for _ in range(args.balance_steps):
+        x = torch.randn(world_size, args.tokens, args.width, generator=g, dtype=DTYPE)
+        x = (x[rank] + 2 * favoured).to(device)
+        with torch.no_grad():
+            target = teacher(x)
+        loss = F.mse_loss(split(x[None])[0], target) + weight * split.aux_loss
+        optimizer.zero_grad()
+        loss.backward()
+        drop = (split.load - split.capacity(args.tokens)).clamp(min=0).sum()
+        grad = split.router.weight.grad
+        flat = torch.cat([grad.flatten(), split.load.to(DTYPE), drop.view(1).to(DTYPE)])
+        dist.all_reduce(flat)  # the router's gradient, and the loads of all ranks
+        grad.copy_(flat[: grad.numel()].view_as(grad))
+        optimizer.step()
+        load = flat[grad.numel() : -1]
+        busiest.append(load.max().item() / load.sum().item())
+        dropped.append(round(flat[-1].item()))
+    return {"aux_weight": weight, "busiest_share": busiest, "dropped": dropped}
+
+
+def training(args, rank: int, world_size: int, device) -> dict:
+    """The script's GPT in float64: experts split over the ranks, whole on rank 0."""
+    train_args = ep.parse_args(
+        ["--steps", str(args.train_steps), "--experts", str(args.experts)]
+    )
+    split = ep.train(
+        ep.build(train_args, rank, world_size).to(device, DTYPE),
+        train_args,
+        rank,
+        world_size,
+        device,
+    )
+    whole = {}
+    if rank == 0:
+        model = ep.build(train_args, 0, 1).to(device, DTYPE)
+        whole = ep.train(model, train_args, 0, 1, device, groups=world_size)
+    return {"split": split, "whole": whole}
+
+
+def judge(run: dict, everyone: list[dict], tol: float) -> tuple[dict, str]:
+    """On rank 0: the results with their formulas, and the sentence for exit code 3."""
+    N, E, k, S, d = (
+        run[key] for key in ("world_size", "experts", "top_k", "tokens", "width")
+    )
+    local, b = E // N, run["dtype_bytes"]
+    layer = everyone[0]["layer"]
+    counts, C = layer["counts"], layer["capacity"]
+    kept = [[min(c, C) for c in row] for row in counts]
+    expected_calls = [
+        {"phase": phase, "bytes_to_others": all_to_all_bytes_per_rank(E, C, d, N, b)}
+        for phase in ("forward", "forward", "backward", "backward")
+    ]
+    # dispatch: rank r's experts receive the kept choices of every rank; combine:
+    # rank r gets back its own kept choices (backward: the same rows, reversed)
+    received = [
+        sum(kept[s][e] for s in range(N) for e in range(r * local, (r + 1) * local))
+        for r in range(N)
+    ]
+    returned = [sum(row) for row in kept]
+    rows_per_call = [[rec, ret, rec, ret] for rec, ret in zip(received, returned)]
+    measured_calls = [e["layer"]["traffic"] for e in everyone]
+    sweep = []
+    for i, row in enumerate(everyone[0]["sweep"]):
+        per_rank = [e["sweep"][i] for e in everyone]
+        C_i = expert_capacity(S, E, k, row["capacity_factor"])
+        choices = [r["counts"] for r in per_rank]
+        kept_i = [[min(c, C_i) for c in r] for r in choices]
+        sweep.append(
+            {
+                "capacity_factor": row["capacity_factor"],
+                "capacity": {"measured": row["capacity"], "predicted": C_i},
+                "choices": choices,
+                "dropped": {
+                    "measured": N * S * k - sum(r["received"] for r in per_rank),
+                    "predicted": sum(dropped_tokens(r, C_i) for r in choices),
+                },
+                "received": {
+                    "measured": [r["received"] for r in per_rank],
+                    "predicted": [
+                        sum(
+                            kept_i[s][e]
+                            for s in range(N)
+                            for e in range(r * local, (r + 1) * local)
+                        )
+                        for r in range(N)
+                    ],
+                },
+                "returned": {
+                    "measured": [r["returned"] for r in per_rank],
+                    "predicted": [sum(row) for row in kept_i],
+                },
+                "rows_per_rank": row["rows"],
+            }
+        )
+    train = everyone[0]["training"]
+    loss_diff = max(
+        abs(a - r) for a, r in zip(train["split"]["loss"], train["whole"]["loss"])
+    )
+    checks = {
+        "layer": all(
+            v <= tol for e in everyone for v in e["layer"]["max_diff"].values()
+        ),
+        "all-to-all bytes": all(
+            [
+                {"phase": c["phase"], "bytes_to_others": c["bytes_to_others"]}
+                for c in calls
+            ]
+            == expected_calls
+            for calls in measured_calls
+        ),
+        "tokens": all(
+            [c["nonzero_rows_received"] for c in calls] == rows
+            for calls, rows in zip(measured_calls, rows_per_call)
+        ),
+        "capacity": all(
+            row[key]["measured"] == row[key]["predicted"]
+            for row in sweep
+            for key in ("capacity", "dropped", "received", "returned")
+        ),
+        "training": loss_diff <= tol
+        and train["split"]["load"] == train["whole"]["load"],
+    }
+    worst = max(v for e in everyone for v in e["layer"]["max_diff"].values())
+    print0(
+        f"{N} ranks, {E} experts: the layer differs from one process by ~{worst:.1e}, "
+        f"the GPT's losses by ~{loss_diff:.1e}"
+    )
+    print0(
+        "checks: "
+        + ", ".join(f"{k} {'ok' if v else 'MISSED'}" for k, v in checks.items())
+    )
+    results = {
+        **run,
+        "layer": {
+            "max_diff": [e["layer"]["max_diff"] for e in everyone],
+            "counts": counts,
+            "capacity": C,
+            "traffic": {
+                "measured": measured_calls,
+                "predicted_bytes": expected_calls,
+                "predicted_rows": rows_per_call,
+            },
+        },
+        "sweep": sweep,
+        "balance": everyone[0]["balance"],
+        "training": {**train, "max_loss_diff": loss_diff},
+        "tolerance": tol,
+        "checks": checks,
+    }
+    missed = [k for k, ok in checks.items() if not ok]
+    failure = (
+        f"{missed[0]}: measured and predicted differ; see the results" if missed else ""
+    )
+    return results, failure
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__)
+    add = parser.add_argument
+    add("--experts", type=int, default=8, help="experts (a multiple of N)")
+    add("--top-k", type=int, default=2, help="experts per token")
+    add("--capacity-factor", type=float, default=1.25, help="of the layer check")
+    add("--sweep", type=float, nargs="+", default=[0.5, 1.0, 1.25, 2.0, 4.0])
+    add("--tokens", type=int, default=128, help="tokens per rank")
+    add("--width", type=int, default=16, help="model width d")
+    add("--balance-steps", type=int, default=30, help="steps of the balance runs")
+    add("--balance-lr", type=float, default=0.01, help="Adam's, in the balance runs")
+    add("--train-steps", type=int, default=3, help="steps of the GPT comparison")
+    add("--tolerance", type=float, help="of every comparison (default: 1e-10)")
+    add("--seed", type=int, default=0, help="seed of the tokens")
+    add("--timeout", type=float, default=300, help="seconds to wait for other ranks")
+    add("--results", help="a JSON file for rank 0's results")
+    return parser.parse_args()
+
+
+@record
+def main() -> None:
+    args = parse_args()
+    rank, _, world_size, device = ep.setup_distributed(args.timeout)
+    if args.experts % world_size or not 1 <= args.top_k <= args.experts:
+        ep.fail(
+            f"--experts {args.experts} must be a multiple of {world_size}, "
+            "and --top-k between 1 and --experts"
+        )
+    record = {
+        "layer": check_layer(args, rank, world_size, device),
+        "sweep": capacity_sweep(args, rank, world_size, device),
+        "balance": [
+            balance_run(args, rank, world_size, device, w) for w in (0.0, 0.01)
+        ],
+        "training": training(args, rank, world_size, device),
+    }
+    everyone = every_rank(record)
+    results, failure = None, ""
+    if rank == 0:
+        run = {
+            **ep.where_it_ran(device),
+            "world_size": world_size,
+            "experts": args.experts,
+            "top_k": args.top_k,
+            "tokens": args.tokens,
+            "width": args.width,
+            "dtype_bytes": DTYPE.itemsize,
+        }
+        results, failure = judge(run, everyone, tolerance("float64", args.tolerance))
+    finish(results, failure, args.results)
+
+
+if __name__ == "__main__":
+    main()

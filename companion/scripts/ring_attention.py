@@ -1,0 +1,426 @@
+"""Ring attention: one long sequence split across processes (context parallelism).
+
+    python ring_attention.py                                          # one process
+    torchrun --standalone --nproc-per-node=2 ring_attention.py        # two, here
+    torchrun --standalone --nproc-per-node=4 ring_attention.py --split zigzag
+    srun --ntasks=8 python ring_attention.py --seq-len 4096 --split zigzag
+
+Each of the N processes holds seq_len / N positions of every sequence, and
+their queries, keys and values. Attention needs every key and value, so they
+travel around a ring of processes: at each of N steps a process computes its
+queries against the block of keys and values it holds, and passes that block
+on, while the partial softmaxes are combined with a running maximum and sum
+(online softmax). The backward pass sends the blocks round again, followed by
+their gradients. With a causal mask, the "plain" split (process r holds the
+r-th N-th of the sequence) gives the last process the most work; the
+"zigzag" split (chunks r and 2N - 1 - r of 2N) balances it. The script trains
+a one-layer model to copy the first half of each sequence into its second
+half, which it can only learn if keys and values cross the processes.
+
+Exit codes: 0 done; 1 crashed; 2 a bad launch or input, said in one sentence.
+"""
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import record
+
+# ---- set-up: the same in every script of companion/scripts (a test checks it)
+
+
+def fail(message: str) -> None:
+    """End this process with one sentence on stderr and exit code 2."""
+    print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def setup_distributed(timeout_s: float = 600) -> tuple[int, int, int, torch.device]:
+    """Join the process group; return ``rank, local_rank, world_size, device``.
+
+    A process takes GPU ``local_rank`` when its node has one per process (srun
+    --gpus-per-task=1 shows each its own as GPU 0), and the CPU when it has none.
+    """
+    if torch.__version__ < (2, 10):
+        fail(f"these scripts need PyTorch 2.10 or newer, not {torch.__version__}")
+    env = os.environ  # set by torchrun or srun; plain python is one process
+    rank = int(env.get("RANK", env.get("SLURM_PROCID", 0)))
+    local_rank = int(env.get("LOCAL_RANK", env.get("SLURM_LOCALID", 0)))
+    world_size = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", 1)))
+    per_node = int(env.get("LOCAL_WORLD_SIZE", env.get("SLURM_NTASKS_PER_NODE", 1)))
+    gpus = torch.cuda.device_count()
+    own = gpus == 1 and "RANK" not in env  # srun --gpus-per-task=1, or python
+    gpu = 0 if own else local_rank
+    if not own and 0 < gpus < max(per_node, local_rank + 1):
+        fail(f"this node has {gpus} GPU(s) for {per_node} processes")
+    device = torch.device("cuda", gpu) if gpus else torch.device("cpu")
+    if gpus:
+        torch.cuda.set_device(device)
+    try:
+        dist.init_process_group(
+            dist.get_default_backend_for_device(device),
+            store=dist.HashStore() if world_size == 1 else None,  # alone: no port
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if gpus else None,
+        )
+    except (dist.DistError, ValueError) as err:  # a busy port, a missing rank
+        fail(f"the processes did not meet: {str(err).strip().splitlines()[0]}")
+    return rank, local_rank, world_size, device
+
+
+def where_it_ran(device: torch.device) -> dict:
+    """The device, backend, processes and threads a result was measured with."""
+    return {
+        "device": device.type,
+        "backend": dist.get_backend(),
+        "world_size": dist.get_world_size(),
+        "threads": torch.get_num_threads(),
+    }
+
+
+# ---- end of set-up
+
+
+def chunks_of(rank: int, world_size: int, split: str) -> list[int]:
+    """The chunks of the sequence ``rank`` holds, in order: "plain" cuts it into
+    N chunks and gives rank r chunk r; "zigzag" cuts it into 2N and gives rank
+    r chunks r and 2N - 1 - r, one early and one late."""
+    return [rank] if split == "plain" else [rank, 2 * world_size - 1 - rank]
+
+
+def shard(
+    x: torch.Tensor, dim: int, rank: int, world_size: int, split: str
+) -> torch.Tensor:
+    """This rank's part of ``x`` along the sequence dim ``dim``."""
+    pieces = x.chunk(world_size * (1 if split == "plain" else 2), dim)
+    return torch.cat([pieces[c] for c in chunks_of(rank, world_size, split)], dim)
+
+
+def positions(seq_len: int, rank: int, world_size: int, split: str) -> torch.Tensor:
+    """The positions in the whole sequence of this rank's part (for embeddings)."""
+    return shard(torch.arange(seq_len), 0, rank, world_size, split)
+
+
+def ring_pass(tensor: torch.Tensor) -> tuple[torch.Tensor, list]:
+    """Start sending ``tensor`` to the next rank and receiving the previous
+    rank's into a new buffer; wait on the requests before reading the buffer."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    received = torch.empty_like(tensor)
+    ops = [
+        dist.P2POp(dist.isend, tensor, (rank + 1) % world_size),
+        dist.P2POp(dist.irecv, received, (rank - 1) % world_size),
+    ]
+    return received, dist.batch_isend_irecv(ops)
+
+
+def wait(requests: list) -> None:
+    for request in requests:
+        request.wait()
+
+
+def scores(q, k, q_chunk: int, k_chunk: int, causal: bool) -> torch.Tensor:
+    """Scaled scores of a chunk of queries against a chunk of keys; a query
+    may not see later keys, which only matters when the chunks are the same."""
+    s = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    if causal and q_chunk == k_chunk:
+        later = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
+        s = s.masked_fill(later, float("-inf"))
+    return s
+
+
+def block_pairs(
+    rank: int, step: int, world_size: int, split: str, causal: bool
+) -> list[tuple[int, int, int, int]]:
+    """(i, j, query chunk, key chunk) for each pair of chunks this rank computes
+    at ``step``, when it holds the keys and values of rank (rank - step) mod N;
+    under a causal mask, a query chunk skips key chunks that lie after it."""
+    owner = (rank - step) % world_size
+    return [
+        (i, j, qc, kc)
+        for i, qc in enumerate(chunks_of(rank, world_size, split))
+        for j, kc in enumerate(chunks_of(owner, world_size, split))
+        if not causal or kc <= qc
+    ]
+
+
+def ring_forward(q, k, v, causal: bool, split: str):
+    """Attention output and log-sum-exp of this rank's queries against all keys.
+
+    q, k, v: this rank's (batch, heads, positions, head_dim). Each query chunk
+    keeps a running maximum ``m``, sum ``l`` and unnormalised output ``o``;
+    a new block rescales them by exp(m_old - m_new) (FlashAttention's trick).
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    n = len(chunks_of(rank, world_size, split))
+    qs = q.chunk(n, dim=2)
+    m = [
+        torch.full(c.shape[:-1], -math.inf, dtype=q.dtype, device=q.device) for c in qs
+    ]
+    l = [torch.zeros_like(mi) for mi in m]
+    o = [torch.zeros_like(c) for c in qs]
+    kv = torch.stack([k, v])  # one message per step
+    for step in range(world_size):
+        if step < world_size - 1:  # send this block on while computing with it
+            incoming, requests = ring_pass(kv)
+        ks, vs = kv[0].chunk(n, dim=2), kv[1].chunk(n, dim=2)
+        for i, j, qc, kc in block_pairs(rank, step, world_size, split, causal):
+            s = scores(qs[i], ks[j], qc, kc, causal)
+            m_new = torch.maximum(m[i], s.amax(dim=-1))
+            p = torch.exp(s - m_new[..., None])
+            rescale = torch.exp(m[i] - m_new)
+            l[i] = l[i] * rescale + p.sum(dim=-1)
+            o[i] = o[i] * rescale[..., None] + p @ vs[j]
+            m[i] = m_new
+        if step < world_size - 1:
+            wait(requests)
+            kv = incoming
+    out = torch.cat([oi / li[..., None] for oi, li in zip(o, l)], dim=2)
+    lse = torch.cat([mi + li.log() for mi, li in zip(m, l)], dim=2)
+    return out, lse
+
+
+def ring_backward(dout, q, k, v, out, lse, causal: bool, split: str):
+    """Gradients of q, k and v: the blocks go round again, and each block's
+    key and value gradients travel with it, arriving home after N passes."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    n = len(chunks_of(rank, world_size, split))
+    qs, dos, lses = q.chunk(n, 2), dout.chunk(n, 2), lse.chunk(n, 2)
+    ds_ = (dout * out).sum(dim=-1).chunk(n, 2)  # rowsum(dO * O), FlashAttention's D
+    dq = [torch.zeros_like(c) for c in qs]
+    kv = torch.stack([k, v])
+    dkv = grad_incoming = torch.zeros_like(kv)
+    grad_requests: list = []
+    for step in range(world_size):
+        if step < world_size - 1:
+            incoming, requests = ring_pass(kv)
+        wait(grad_requests)  # the gradients of the block that just arrived
+        dkv = grad_incoming
+        ks, vs = kv[0].chunk(n, dim=2), kv[1].chunk(n, dim=2)
+        dks, dvs = dkv[0].chunk(n, dim=2), dkv[1].chunk(n, dim=2)  # views
+        for i, j, qc, kc in block_pairs(rank, step, world_size, split, causal):
+            p = torch.exp(scores(qs[i], ks[j], qc, kc, causal) - lses[i][..., None])
+            dvs[j].add_(p.transpose(-2, -1) @ dos[i])
+            ds = p * (dos[i] @ vs[j].transpose(-2, -1) - ds_[i][..., None])
+            ds = ds / math.sqrt(q.shape[-1])
+            dq[i] += ds @ ks[j]
+            dks[j].add_(ds.transpose(-2, -1) @ qs[i])
+        if world_size > 1:  # this block's gradients follow it to the next rank
+            grad_incoming, grad_requests = ring_pass(dkv)
+        if step < world_size - 1:
+            wait(requests)
+            kv = incoming
+    wait(grad_requests)
+    return torch.cat(dq, dim=2), grad_incoming[0], grad_incoming[1]
+
+
+class RingAttention(torch.autograd.Function):
+    """Ring attention as an autograd function: it keeps only this rank's q, k,
+    v, output and log-sum-exp for backward, never a score matrix."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal: bool, split: str):
+        out, lse = ring_forward(q, k, v, causal, split)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.split = causal, split
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        grads = ring_backward(dout, *ctx.saved_tensors, ctx.causal, ctx.split)
+        return *grads, None, None
+
+
+# torch 2.14 renamed these two collectives (the old names warn); 2.10 has the old ones
+all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+reduce_scatter_single = getattr(
+    dist, "reduce_scatter_single", dist.reduce_scatter_tensor
+)
+
+
+class GatherSequence(torch.autograd.Function):
+    """All-gather along dim 0 (rank by rank); backward: reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, x):
+        out = x.new_empty(dist.get_world_size() * x.shape[0], *x.shape[1:])
+        all_gather_single(out, x.contiguous())
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_empty(grad.shape[0] // dist.get_world_size(), *grad.shape[1:])
+        reduce_scatter_single(out, grad.contiguous())
+        return out
+
+
+def allgather_attention(q, k, v, causal: bool, split: str) -> torch.Tensor:
+    """Llama 3's variant: gather all keys and values, then attend once, with
+    a causal mask (additive: 0 or -inf) built from the positions each rank holds."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    seq_len = q.shape[2] * world_size
+    kv = GatherSequence.apply(torch.stack([k, v]).movedim(3, 0))
+    k_all, v_all = kv.movedim(0, 3).unbind(0)  # positions in rank order
+    mask = None
+    if causal:
+        k_pos = torch.cat(
+            [positions(seq_len, r, world_size, split) for r in range(world_size)]
+        )
+        q_pos = positions(seq_len, rank, world_size, split)
+        later = (k_pos[None, :] > q_pos[:, None]).to(q.device)
+        mask = torch.zeros(later.shape, dtype=q.dtype, device=q.device)
+        mask = mask.masked_fill(later, float("-inf"))
+    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
+
+
+def attention(q, k, v, causal: bool, split: str, method: str) -> torch.Tensor:
+    """Attention of this rank's queries over the whole sequence: "ring",
+    "allgather", or "local" (plain SDPA on what this process holds: the whole
+    sequence when it runs alone)."""
+    if method == "ring":
+        return RingAttention.apply(q, k, v, causal, split)
+    if method == "allgather":
+        return allgather_attention(q, k, v, causal, split)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def torch_context_parallel(q, k, v, device: torch.device) -> torch.Tensor:
+    """Causal attention with torch's own context parallelism (experimental):
+    ``context_parallel`` shards the whole q, k, v along the sequence itself,
+    head and tail chunks together (the zig-zag), and swaps SDPA for its ring
+    version while the block runs. It needs CUDA's flash, efficient or cuDNN
+    attention kernels; the CPU's SDPA has no context-parallel version."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import (
+        context_parallel_unshard,
+    )
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    q, k, v = (t.detach().clone() for t in (q, k, v))  # sharded in place
+    with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return context_parallel_unshard(mesh, [out], [2])[0]  # the whole output
+
+
+class CopyModel(nn.Module):
+    """Token and position embeddings, one attention layer with a residual, a head."""
+
+    def __init__(self, vocab: int, seq_len: int, d: int, n_head: int, method: str):
+        super().__init__()
+        self.tok_emb, self.pos_emb = nn.Embedding(vocab, d), nn.Embedding(seq_len, d)
+        self.q, self.k, self.v, self.proj = (
+            nn.Linear(d, d, bias=False) for _ in range(4)
+        )
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.n_head, self.method = n_head, method
+
+    def forward(self, idx: torch.Tensor, pos: torch.Tensor, split: str) -> torch.Tensor:
+        B, T = idx.shape
+        x = self.tok_emb(idx) + self.pos_emb(pos)
+        q, k, v = (
+            f(x).view(B, T, self.n_head, -1).transpose(1, 2)
+            for f in (self.q, self.k, self.v)
+        )
+        y = (
+            attention(q, k, v, True, split, self.method)
+            .transpose(1, 2)
+            .reshape(B, T, -1)
+        )
+        return self.head(x + self.proj(y))
+
+
+def copy_batch(
+    batch: int, seq_len: int, vocab: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and next-token targets whose second half repeats the first half."""
+    half = torch.randint(vocab, (batch, seq_len // 2), generator=generator)
+    seq = torch.cat([half, half, half[:, :1]], dim=1)
+    return seq[:, :-1], seq[:, 1:]
+
+
+def train(model, args, rank: int, world_size: int, device: torch.device) -> list[float]:
+    """Adam on copy batches, each rank on its part of every sequence; the
+    gradients of the (replicated) weights are summed over the ranks."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    generator = torch.Generator().manual_seed(args.seed)  # the same on every rank
+    pos = positions(args.seq_len, rank, world_size, args.split).to(device)
+    losses = []
+    for _ in range(args.steps):
+        x, y = copy_batch(args.batch_size, args.seq_len, args.vocab, generator)
+        x, y = (shard(t, 1, rank, world_size, args.split).to(device) for t in (x, y))
+        logits = model(x, pos, args.split)
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / world_size
+        optimizer.zero_grad()
+        loss.backward()
+        grads = [p.grad for p in model.parameters()]
+        flat = torch.cat([loss.detach().view(1), *(g.flatten() for g in grads)])
+        if world_size > 1:  # the loss and the gradients, in one all-reduce
+            dist.all_reduce(flat)
+            for g, new in zip(grads, flat[1:].split([g.numel() for g in grads])):
+                g.copy_(new.view_as(g))
+        optimizer.step()
+        losses.append(flat[0].item())
+    return losses
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add = parser.add_argument
+    add("--split", default="zigzag", choices=["plain", "zigzag"], help="of positions")
+    add("--method", default="ring", choices=["ring", "allgather"], help="of K and V")
+    add("--seq-len", type=int, default=32, help="positions per sequence (tokens)")
+    add("--batch-size", type=int, default=32, help="sequences per step")
+    add("--vocab", type=int, default=8, help="distinct tokens")
+    add("--width", type=int, default=32, help="model width d")
+    add("--heads", type=int, default=2, help="attention heads")
+    add("--steps", type=int, default=60, help="training steps")
+    add("--lr", type=float, default=0.03, help="Adam's learning rate")
+    add("--seed", type=int, default=0, help="seed of the weights and the data")
+    add("--timeout", type=float, default=600, help="seconds to wait for the others")
+    add("--results", help="a JSON file for rank 0's results")
+    return parser.parse_args(argv)
+
+
+@record
+def main() -> None:
+    args = parse_args()
+    rank, _, world_size, device = setup_distributed(args.timeout)
+    chunks = world_size * (1 if args.split == "plain" else 2)
+    if args.seq_len % chunks or args.seq_len % 2:
+        fail(f"--seq-len {args.seq_len} must be even and a multiple of {chunks}")
+    if args.width % args.heads:
+        fail(f"--width {args.width} must be a multiple of --heads {args.heads}")
+    torch.manual_seed(args.seed)
+    model = CopyModel(args.vocab, args.seq_len, args.width, args.heads, args.method)
+    losses = train(model.to(device), args, rank, world_size, device)
+    if rank == 0:
+        T, guess = args.seq_len, math.log(args.vocab)
+        print(
+            f"{world_size} process(es) on {device.type}, {args.split} split, "
+            f"{args.method}: {T // world_size} of {T} positions each"
+        )
+        for step in sorted({0, args.steps // 2, args.steps - 1}):
+            print(f"step {step:4d}: loss {losses[step]:.3f}")
+        print(
+            f"guessing: {guess:.3f}; copying the second half perfectly (the first "
+            f"cannot be predicted): {(T // 2 - 1) / T * guess:.3f}"
+        )
+        if args.results:
+            with open(args.results, "w") as f:
+                json.dump({**where_it_ran(device), "losses": losses, **vars(args)}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""ring_attention.py: its pieces here, and launched on 2 and 4 gloo processes.
+
+What is expected is computed here, independently of the script:
+
+- the splits deal out every position exactly once;
+- in a world of one process, ring attention is attention: its output equals
+  ``F.scaled_dot_product_attention`` and its hand-written backward pass
+  passes ``torch.autograd.gradcheck`` (numerical derivatives, float64);
+- launched on 2 processes, the copy model's losses equal the same model
+  trained here on the whole sequences in one process.
+
+``make test`` launches once (2 processes); 4 processes, the all-gather
+variant, bad input, the chapter's check on 2 processes and torch's own
+``context_parallel`` on the CPU are marked slow.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from companion.launch import LaunchError, launch
+from companion.scripts import ring_attention as ra
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture
+def alone():
+    """A process group of this one process (the ring has one rank)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("split", ["plain", "zigzag"])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_splits_deal_out_every_position_once(split, world_size):
+    T = 4 * world_size
+    held = [ra.positions(T, r, world_size, split) for r in range(world_size)]
+    assert sorted(torch.cat(held).tolist()) == list(range(T))
+    if split == "zigzag":  # one early chunk and one late chunk each
+        assert all(p[0] < T // 2 <= p[-1] for p in held)
+    x = torch.arange(T).view(1, T) * 10
+    assert torch.equal(
+        ra.shard(x, 1, 1 % world_size, world_size, split)[0] // 10, held[1 % world_size]
+    )
+
+
+def test_copy_batches_repeat_their_first_half():
+    x, y = ra.copy_batch(3, 8, 5, torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == (3, 8)
+    assert torch.equal(x[:, :4], x[:, 4:]) and torch.equal(y[:, :-1], x[:, 1:])
+    assert torch.equal(y[:, -1], x[:, 0])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("method", ["ring", "allgather"])
+def test_alone_it_is_attention(alone, causal, method):
+    q, k, v = (
+        torch.randn(2, 3, 8, 4, dtype=torch.float64, requires_grad=True) for _ in "qkv"
+    )
+    out = ra.attention(q, k, v, causal, "zigzag", method)
+    reference = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    assert torch.allclose(out, reference, atol=1e-12, rtol=0)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    expected = torch.autograd.grad(reference.sum(), (q, k, v))
+    assert all(
+        torch.allclose(g, e, atol=1e-12, rtol=0) for g, e in zip(grads, expected)
+    )
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_backward_ring_passes_gradcheck(alone, causal):
+    q, k, v = (
+        torch.randn(1, 2, 6, 3, dtype=torch.float64, requires_grad=True) for _ in "qkv"
+    )
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: ra.RingAttention.apply(q, k, v, causal, "plain"), (q, k, v)
+    )
+
+
+def whole_losses(args: list[str]) -> list[float]:
+    """The script's copy model trained here, in one process, on the whole sequences."""
+    parsed = ra.parse_args(args)
+    torch.manual_seed(parsed.seed)
+    model = ra.CopyModel(
+        parsed.vocab, parsed.seq_len, parsed.width, parsed.heads, "local"
+    )
+    return ra.train(model, parsed, 0, 1, torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    "nproc, args",
+    [
+        (2, ["--steps", "3"]),
+        pytest.param(4, ["--steps", "3", "--split", "plain"], marks=pytest.mark.slow),
+        pytest.param(
+            4, ["--steps", "3", "--method", "allgather"], marks=pytest.mark.slow
+        ),
+    ],
+)
+def test_split_training_equals_one_process(nproc, args):
+    result = launch("ring_attention.py", args, nproc=nproc, timeout=150)
+    assert result["device"] == "cpu" and result["backend"] == "gloo"
+    assert result["losses"] == pytest.approx(whole_losses(args), abs=1e-5)
+
+
+@pytest.mark.slow
+def test_bad_sequence_length_is_one_sentence(capsys):
+    with pytest.raises(LaunchError, match="exit code"):
+        launch("ring_attention.py", ["--seq-len", "20"], nproc=4, timeout=120)
+    assert "--seq-len 20 must be even and a multiple of 8" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_the_chapters_check_on_two_processes():
+    result = launch("checks/context_parallel.py", nproc=2, timeout=200)
+    assert all(result["checks"].values()), result["checks"]
+    assert result["torch_context_parallel"]["ran"] is False  # no CUDA here
+
+
+@pytest.mark.slow
+def test_torch_context_parallel_needs_cuda_kernels(alone):
+    """What chapter 14 says: on a CPU torch's context_parallel raises (2.10 to 2.14)."""
+    q, k, v = (torch.randn(1, 2, 8, 4) for _ in "qkv")
+    with pytest.raises(NotImplementedError, match="flash_attention_for_cpu"):
+        ra.torch_context_parallel(q, k, v, torch.device("cpu"))
