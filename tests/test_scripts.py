@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import datetime
+import json
 import os
 import socket
 import subprocess
@@ -23,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from launchers import LAUNCHER, clean_environment, free_port, two_agents
 from torch.torch_version import TorchVersion
 
 from companion.scripts import hello_distributed
@@ -36,11 +38,6 @@ ORIGINAL_NINE = {
     "fsdp_gpt.py", "hello_distributed.py", "pipeline_gpt.py",
     "spmd_data_parallel.py", "tensor_parallel_gpt.py",
 }  # fmt: skip
-LAUNCHER = (
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-    "MASTER_PORT", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS",
-    "SLURM_NTASKS_PER_NODE",
-)  # fmt: skip
 
 
 def setup_block(path: Path) -> str:
@@ -239,3 +236,31 @@ def test_a_busy_port_is_one_sentence():
         proc = run_hello({**torchrun(0, 2), "MASTER_PORT": str(port)}, "--timeout", "2")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith("hello_distributed.py: error: the processes did not")
+
+
+# ------------------------------------------------- launchers, for real, slow
+
+
+@pytest.mark.slow
+def test_two_loopback_nodes_run_hello_as_one_group(tmp_path):
+    assert two_agents("hello_distributed.py", [], tmp_path)["sum"] == 3
+
+
+@pytest.mark.slow
+def test_srun_tasks_run_hello_as_one_group(tmp_path):
+    results, port = tmp_path / "results.json", free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, SCRIPTS / "hello_distributed.py", "--results", results],
+            env=clean_environment(
+                **{
+                    **srun(rank, per_node=2, world=2),
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port),
+                }
+            ),  # fmt: skip
+        )
+        for rank in range(2)
+    ]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    assert json.loads(results.read_text())["sum"] == 3

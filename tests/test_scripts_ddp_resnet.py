@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from launchers import two_agents
 
 from companion import launch, script_path
 from companion.scripts import ddp_resnet
@@ -167,3 +168,13 @@ def test_the_model_is_resnet18_at_width_64() -> None:
     n = sum(p.numel() for p in resnet18(10, 1, 64).parameters())
     assert n == 11_172_810
     assert resnet18(10, 3, 8)(torch.rand(2, 3, 32, 32)).shape == (2, 10)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_loopback_nodes_train_as_one_node_of_two(data_file: str, tmp_path) -> None:
+    args = ["--data", data_file, *TINY]
+    two_nodes = two_agents("ddp_resnet.py", args, tmp_path)
+    one_node = launch("ddp_resnet.py", args, nproc=2)
+    assert two_nodes["world_size"] == 2
+    assert two_nodes["loss_curve"] == pytest.approx(one_node["loss_curve"], abs=1e-6)

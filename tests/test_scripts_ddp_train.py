@@ -32,6 +32,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from launchers import LAUNCHER, free_port
 
 from companion.scripts import ddp_train
 
@@ -43,20 +44,12 @@ SBATCH = ROOT / "companion" / "scripts" / "ddp_train.sbatch"
 CLUSTER_PAGE = ROOT / "book" / "cluster.md"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 TAG = "DDP_TRAIN_TEST_TAG"  # marks every process a test starts, to find survivors
-LAUNCHER = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-            "MASTER_PORT")  # fmt: skip
 # float64, so that 1 and 2 processes agree to rounding (float32: ~1e-8).
 TINY = ["--steps", "24", "--samples", "256", "--global-batch-size", "32",
         "--dtype", "float64", "--checkpoint-every", "8", "--log-every", "8"]  # fmt: skip
 TOL = 1e-12
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tagged(tag: str) -> list[psutil.Process]:

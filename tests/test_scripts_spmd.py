@@ -23,16 +23,15 @@ verdicts. What runs in ``make test`` here is the scripts' argument checks.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from launchers import two_agents
 
 from companion.launch import launch, script_path
 from companion.scripts import convnext_sharded, dtensor_basics, spmd_data_parallel
@@ -248,34 +247,6 @@ def test_the_gpu_path_runs_on_a_simulated_gpu(script, args, tmp_path) -> None:
     )  # fmt: skip
     results = json.loads(out.read_text())
     assert (results["device"], results["backend"]) == ("cuda", "nccl")
-
-
-def two_agents(script: str, args: list[str], tmp_path: Path) -> dict:
-    """Run ``script`` under two torchrun agents that meet at a c10d rendezvous."""
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    results = tmp_path / "results.json"
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
-        "--nproc-per-node=1", "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=loopback",
-        str(script_path(script)), *args, "--results", str(results),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # fmt: skip
-    with contextlib.ExitStack() as stack:  # logs in files: a full pipe would block
-        logs = [
-            stack.enter_context(open(tmp_path / f"agent{n}.log", "w")) for n in (0, 1)
-        ]
-        procs = [
-            subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-            for log in logs
-        ]
-        codes = [p.wait(timeout=200) for p in procs]
-    assert codes == [0, 0], [log.name for log in logs]
-    return json.loads(results.read_text())
 
 
 @pytest.mark.slow
