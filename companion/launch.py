@@ -35,7 +35,14 @@ from typing import Any
 
 from companion.devices import cpu_count, num_gpus
 
-__all__ = ["LaunchError", "LaunchTimeout", "gpus_for", "launch", "script_path"]
+__all__ = [
+    "LaunchError",
+    "LaunchTimeout",
+    "gpus_for",
+    "launch",
+    "script_path",
+    "stop_process_group",
+]
 
 HERE = Path(__file__).resolve().parent
 # A diagnostic that gloo prints on stdout in some torch versions (2.10 among
@@ -88,7 +95,7 @@ def gpus_for(*nprocs: int | None) -> bool:
     return num_gpus() >= max(n or 1 for n in nprocs)
 
 
-def _stop_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
+def stop_process_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
     """Stop ``proc`` and every process it started: SIGTERM, then SIGKILL."""
     if proc.poll() is not None and os.name != "posix":
         return
@@ -193,7 +200,7 @@ def launch(
 
         def on_timeout() -> None:
             timed_out.set()
-            _stop_group(proc)
+            stop_process_group(proc)
 
         watchdog = threading.Timer(timeout, on_timeout)
         watchdog.start()
@@ -211,18 +218,20 @@ def launch(
                 tail.append(line.rstrip())
             returncode = proc.wait()
         except BaseException:  # KeyboardInterrupt included: leave nothing running
-            _stop_group(proc)
+            stop_process_group(proc)
             raise
         finally:
             watchdog.cancel()
         if timed_out.is_set():
-            _stop_group(proc)  # the group may still hold children of a dead launcher
+            stop_process_group(
+                proc
+            )  # the group may still hold children of a dead launcher
             raise LaunchTimeout(
                 f"{path.name} did not finish within {timeout:g} s and was stopped, "
                 "with every process it started."
             )
         if returncode != 0:
-            _stop_group(proc)
+            stop_process_group(proc)
             last = next((t for t in reversed(tail) if t.strip()), "no output")
             raise LaunchError(
                 f"{path.name} failed with exit code {returncode}; its last line: {last}"

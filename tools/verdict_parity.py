@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -198,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--timeout", type=float, default=900, help="seconds per cell")
     args = parser.parse_args(argv)
+    args.python = os.path.abspath(args.python)  # the kernel starts in notebooks/
     paths = args.notebooks or sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
     context = probe(args.python)
     print(

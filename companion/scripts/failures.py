@@ -1,0 +1,425 @@
+"""A small data-parallel training run that goes wrong on purpose, one way at a time.
+
+    python failures.py                                     # one process, no bug
+    torchrun --standalone --nproc-per-node=2 failures.py --fail stuck --stall-dump 30
+    TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun --standalone --nproc-per-node=2 \\
+        failures.py --fail shape --shard
+    srun --ntasks=2 python failures.py --fail uneven --fix join
+
+``--fail`` picks the bug (chapter 15): ``shape``, ``order``, ``rank0-only``
+(collectives that differ between ranks); ``uneven`` (one rank has fewer
+batches; ``--fix sampler``, ``join`` or ``steps`` cures it); ``crash``,
+``kill``, ``stuck`` (the last rank raises, dies or hangs at ``--fail-step``);
+``unseen-param``, ``sampler-seed``, ``no-set-epoch`` (silent drift, which
+``--check-every`` catches). The tools: ``--timeout`` bounds every collective,
+``--barrier-timeout`` names the ranks that miss an epoch's end, ``--stall-dump``
+prints every rank's stack when a step stalls (``kill -USR1 PID``: one rank's,
+at any time), ``--flight-recorder DIR`` (with ``TORCH_FR_BUFFER_SIZE=2000``)
+dumps each rank's last collectives on an error. ``--checkpoint-dir`` keeps
+sharded (DCP) checkpoints; a run resumes from the newest on any number of
+processes, with the same global batch.
+
+Exit codes: 0 done; 1 crashed (where each bug ends, when it does not hang);
+2 a bad launch or input, said in one sentence.
+"""
+
+import argparse
+import datetime
+import faulthandler
+import gc
+import json
+import os
+import signal
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data.distributed import DistributedSampler
+
+# ---- set-up: the same in every script of companion/scripts (a test checks it)
+
+
+def fail(message: str) -> None:
+    """End this process with one sentence on stderr and exit code 2."""
+    print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def setup_distributed(timeout_s: float = 600) -> tuple[int, int, int, torch.device]:
+    """Join the process group; return ``rank, local_rank, world_size, device``.
+
+    A process takes GPU ``local_rank`` when its node has one per process (srun
+    --gpus-per-task=1 shows each its own as GPU 0), and the CPU when it has none.
+    """
+    if torch.__version__ < (2, 10):
+        fail(f"these scripts need PyTorch 2.10 or newer, not {torch.__version__}")
+    env = os.environ  # set by torchrun or srun; plain python is one process
+    rank = int(env.get("RANK", env.get("SLURM_PROCID", 0)))
+    local_rank = int(env.get("LOCAL_RANK", env.get("SLURM_LOCALID", 0)))
+    world_size = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", 1)))
+    per_node = int(env.get("LOCAL_WORLD_SIZE", env.get("SLURM_NTASKS_PER_NODE", 1)))
+    gpus = torch.cuda.device_count()
+    own = gpus == 1 and "RANK" not in env  # srun --gpus-per-task=1, or python
+    gpu = 0 if own else local_rank
+    if not own and 0 < gpus < max(per_node, local_rank + 1):
+        fail(f"this node has {gpus} GPU(s) for {per_node} processes")
+    device = torch.device("cuda", gpu) if gpus else torch.device("cpu")
+    if gpus:
+        torch.cuda.set_device(device)
+    try:
+        dist.init_process_group(
+            dist.get_default_backend_for_device(device),
+            store=dist.HashStore() if world_size == 1 else None,  # alone: no port
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if gpus else None,
+        )
+    except (dist.DistError, ValueError) as err:  # a busy port, a missing rank
+        fail(f"the processes did not meet: {str(err).strip().splitlines()[0]}")
+    return rank, local_rank, world_size, device
+
+
+def where_it_ran(device: torch.device) -> dict:
+    """The device, backend, processes and threads a result was measured with."""
+    return {
+        "device": device.type,
+        "backend": dist.get_backend(),
+        "world_size": dist.get_world_size(),
+        "threads": torch.get_num_threads(),
+    }
+
+
+# ---- end of set-up
+
+FAILURES = ("shape", "order", "rank0-only", "uneven", "crash", "kill", "stuck")
+FAILURES += ("unseen-param", "sampler-seed", "no-set-epoch")
+VALIDATION = 101  # samples; each rank scores its own slice (50 and 51 on 2 ranks)
+START = time.monotonic()
+
+
+def make_data(samples: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Points from 4 Gaussian blobs in 8 dimensions (float64), and their labels."""
+    gen = torch.Generator().manual_seed(seed)
+    labels = torch.arange(samples) % 4
+    centres = 2 * torch.randn(4, 8, generator=gen, dtype=torch.float64)
+    noise = torch.randn(samples, 8, generator=gen, dtype=torch.float64)
+    return centres[labels] + noise, labels
+
+
+def epoch_batches(
+    samples: int, micro: int, epoch: int, args: argparse.Namespace
+) -> list[list[int]]:
+    """This rank's micro-batches of one epoch, as lists of sample indices."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if args.fail == "uneven" and args.fix != "sampler":
+        # BUG: a split by hand; 255 samples give rank 0 127 and rank 1 128.
+        order = range(rank * samples // world_size, (rank + 1) * samples // world_size)
+    else:  # the sampler pads the shards to equal length
+        seed = args.seed + (rank if args.fail == "sampler-seed" else 0)  # BUG: + rank
+        sampler = DistributedSampler(range(samples), world_size, rank, seed=seed)
+        if args.fail != "no-set-epoch":  # BUG: forgotten, every epoch is epoch 0
+            sampler.set_epoch(epoch)
+        order = list(sampler)
+    return [list(order[i : i + micro]) for i in range(0, len(order) - micro + 1, micro)]
+
+
+def build_model(seed: int, device: torch.device) -> nn.Sequential:
+    """The same small MLP on every rank, in float64 so that runs compare tightly."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
+    return model.double().to(device)
+
+
+def parallelize(model: nn.Sequential, args: argparse.Namespace) -> nn.Module:
+    """Wrap ``model`` in DDP, or shard it with FSDP2 (``--shard``)."""
+    if args.shard:
+        from torch.distributed.fsdp import fully_shard  # here: a second to import
+
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        return fully_shard(model)
+    device = next(model.parameters()).device
+    if device.type == "cpu" and dist.get_debug_level() == dist.DebugLevel.DETAIL:
+        fail("DDP crashes on gloo under TORCH_DISTRIBUTED_DEBUG=DETAIL; add --shard")
+    ddp = DDP(model, device_ids=[device] if device.type == "cuda" else None)
+    if args.fail == "unseen-param":  # BUG: a layer added after DDP wrapped the model
+        model.add_module("head", nn.Linear(4, 4).double().to(device))
+    return ddp
+
+
+def check_replicas(model: nn.Module, step: int) -> None:
+    """Raise on every rank if the ranks' parameters differ: a cheap checksum.
+
+    One float64 norm per parameter tensor, gathered from every rank; replicas
+    that took the same steps are equal bit for bit. (A plain sum would miss
+    drift whose entries add up to zero, as a softmax's gradients do.)
+    """
+    names, params = zip(*model.named_parameters())
+    norms = torch.stack([p.detach().double().norm() for p in params])
+    every = [torch.empty_like(norms) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, norms)
+    for i, name in enumerate(names):
+        values = [float(n[i]) for n in every]
+        if max(values) != min(values):
+            raise RuntimeError(
+                f"the replicas differ after step {step}: {name} has norm "
+                + ", ".join(f"{v:.6f} on rank {r}" for r, v in enumerate(values))
+                + f" (apart by {max(values) - min(values):.1e})"
+            )
+
+
+def check_data(batches: list, previous: list | None, samples: int, device) -> None:
+    """Raise on every rank if an epoch's shards leave samples out, or if the
+    epoch repeats the previous one's order. Call it on every rank."""
+    mine = torch.tensor([i for indices in batches for i in indices], dtype=torch.long)
+    seen = torch.bincount(mine, minlength=samples).to(device)
+    dist.all_reduce(seen)  # how often each sample occurs, over all ranks
+    never, twice = int((seen == 0).sum()), int((seen > 1).sum())
+    if never:  # padding repeats a few samples, but none may be left out
+        raise RuntimeError(
+            f"the ranks' shards overlap: {twice} samples twice, {never} never; "
+            "do all ranks' samplers use the same seed?"
+        )
+    if batches == previous:
+        raise RuntimeError("this epoch repeats the last one's order: set_epoch?")
+
+
+def load_batch(x, y, indices: list[int], step: int, args, device) -> tuple:
+    """The batch on ``device``; where ``--fail`` crash, kill and stuck strike."""
+    if step == args.fail_step and dist.get_rank() == dist.get_world_size() - 1:
+        if args.fail == "crash":  # on every attempt: restarts do not help
+            raise ValueError(f"sample {indices[0]} is corrupt")
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if args.fail == "kill" and first_attempt:  # the node is gone
+            os.kill(os.getpid(), signal.SIGKILL)
+        while args.fail == "stuck":  # waits for a file that never comes
+            time.sleep(0.1)
+    return x[indices].to(device), y[indices].to(device)
+
+
+def validate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, args) -> float:
+    """Accuracy on the validation set; each rank scores its own slice."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    lo, hi = rank * len(y) // world_size, (rank + 1) * len(y) // world_size
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        right = (model(x[lo:hi].to(device)).argmax(1) == y[lo:hi].to(device)).double()
+    if args.fail == "shape":  # BUG: all_gather needs equal shapes; 50 and 51 here
+        parts = [torch.empty_like(right) for _ in range(world_size)]
+        dist.all_gather(parts, right)
+        return torch.cat(parts).mean().item()
+    counts = torch.stack([right.sum(), torch.full_like(right.sum(), hi - lo)])
+    dist.all_reduce(counts)
+    return (counts[0] / counts[1]).item()
+
+
+def end_epoch(model, val: tuple, loss_sum: float, steps: int, args, group) -> tuple:
+    """Mean loss and validation accuracy over all ranks; rank 0's decision to stop."""
+    rank, device = dist.get_rank(), next(model.parameters()).device
+    if args.barrier_timeout:  # debugging: name the ranks that did not get here
+        timeout = datetime.timedelta(seconds=args.barrier_timeout)
+        dist.monitored_barrier(group, timeout=timeout)
+    late = time.monotonic() - START > args.time_limit > 0  # rank 0's clock decides
+    stop = torch.tensor([float(late)], device=device)
+    if args.fail == "order" and rank == 0:  # BUG: rank 0 broadcasts first, others last
+        dist.broadcast(stop, 0)
+    totals = torch.tensor([loss_sum, steps], dtype=torch.float64, device=device)
+    if args.fail != "rank0-only" or rank == 0:  # BUG: only rank 0, which prints
+        dist.all_reduce(totals)
+    accuracy = validate(model, *val, args)
+    if args.fail != "order" or rank != 0:
+        dist.broadcast(stop, 0)
+    return (totals[0] / totals[1]).item(), accuracy, bool(stop.item())
+
+
+def save_checkpoint(folder: str, step: int, model, optimizer, losses: list) -> None:
+    """A DCP checkpoint: every rank writes its part, into a folder renamed when
+    complete; any number of processes can load it."""
+    import torch.distributed.checkpoint as dcp  # here, as it takes a second to import
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    curve = torch.tensor(losses, dtype=torch.float64)
+    state = {"model": model_state, "optim": optim_state, "losses": curve}
+    path, tmp = Path(folder, f"step-{step:06d}"), Path(folder, f".step-{step:06d}")
+    dcp.save(state, checkpoint_id=tmp)  # returns on every rank when all have written
+    if dist.get_rank() == 0:
+        tmp.rename(path)
+
+
+def load_checkpoint(folder: str, model, optimizer) -> tuple[int, list[float]]:
+    """Load the newest checkpoint in ``folder``: return its step and losses."""
+    found = sorted(Path(folder).glob("step-*")) if folder else []
+    if not found:
+        return 0, []
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    step = int(found[-1].name.split("-")[1])
+    model_state, optim_state = get_state_dict(model, optimizer)
+    curve = torch.zeros(step, dtype=torch.float64)
+    state = {"model": model_state, "optim": optim_state, "losses": curve}
+    dcp.load(state, checkpoint_id=found[-1])  # reshards to this run's world size
+    model_state, optim_state = state["model"], state["optim"]
+    set_state_dict(
+        model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state
+    )
+    return step, state["losses"].tolist()
+
+
+def dump_flight_recorder(folder: str, device: torch.device) -> None:
+    """Write this rank's Flight Recorder buffer: its last collectives, in order."""
+    c10d = torch._C._distributed_c10d  # a private API, the same in 2.10 to 2.14
+    dump = c10d._dump_nccl_trace if device.type == "cuda" else c10d._dump_fr_trace
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    Path(folder, f"rank_{dist.get_rank()}").write_bytes(dump())
+
+
+def global_losses(local: torch.Tensor, history: list, start: int, step: int) -> list:
+    """Every step's loss of the global batch so far: earlier runs', then this run's."""
+    total = local.clone()
+    dist.all_reduce(total)
+    return history + (total / dist.get_world_size())[start:step].tolist()
+
+
+def train(args: argparse.Namespace, device: torch.device) -> dict:
+    """Train for ``--epochs``, from the newest checkpoint if any; rank 0's results."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if args.global_batch_size % world_size:
+        fail(f"--global-batch-size must be a multiple of the {world_size} processes")
+    micro = args.global_batch_size // world_size
+    x, y = make_data(args.samples + VALIDATION, args.seed)
+    val = (x[args.samples :], y[args.samples :])
+    samples = args.samples - (args.fail == "uneven")  # one sample filtered out
+    model = build_model(args.seed, device)
+    wrapped = parallelize(model, args)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    start, history = load_checkpoint(args.checkpoint_dir, model, optimizer)
+    mine = len(epoch_batches(samples, micro, 0, args))  # this rank's steps per epoch
+    lengths = torch.tensor([mine, -mine], device=device)
+    dist.all_reduce(lengths, dist.ReduceOp.MAX)  # the longest and the shortest
+    if rank == 0:
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # by torchrun
+        note = (f"; resumed at step {start}" if start else "") + (
+            f" after restart {restart}" if restart != "0" else ""
+        )
+        batch = f"{args.global_batch_size} = {world_size} x {micro}"
+        print(
+            f"{world_size} process(es) on {device.type}, batch {batch}{note}",
+            flush=True,
+        )
+    gloo = device.type == "cuda" and args.barrier_timeout  # monitored_barrier: gloo
+    group = dist.new_group(backend="gloo") if gloo else None
+    local = torch.zeros(
+        args.epochs * int(lengths[0]), dtype=torch.float64, device=device
+    )
+    step, previous, skip = start, None, start % mine
+    for epoch in range(start // mine, args.epochs):
+        batches = epoch_batches(samples, micro, epoch, args)
+        if args.fix == "steps":  # every rank stops after the shortest shard's steps
+            batches = batches[: -int(lengths[1])]
+        if args.check_every:
+            check_data(batches, previous, samples, device)
+            previous = batches
+        loss_sum, done = 0.0, 0
+        with wrapped.join() if args.fix == "join" else nullcontext():
+            for indices in batches[skip:]:
+                if args.stall_dump:  # every thread's stack, if this step stalls
+                    faulthandler.dump_traceback_later(args.stall_dump)
+                xb, yb = load_batch(x, y, indices, step, args, device)
+                loss = F.cross_entropy(wrapped(xb), yb)
+                optimizer.zero_grad()
+                loss.backward()  # DDP all-reduces the gradients here
+                optimizer.step()
+                local[step] = loss.detach()
+                loss_sum, done, step = loss_sum + loss.item(), done + 1, step + 1
+                if args.check_every and step % args.check_every == 0 and not args.shard:
+                    check_replicas(model, step)
+                if args.checkpoint_every and step % args.checkpoint_every == 0:
+                    losses = global_losses(local, history, start, step)
+                    save_checkpoint(args.checkpoint_dir, step, model, optimizer, losses)
+        skip = 0
+        if args.stall_dump:
+            faulthandler.dump_traceback_later(args.stall_dump)
+        mean_loss, accuracy, stop = end_epoch(model, val, loss_sum, done, args, group)
+        if rank == 0:
+            print(
+                f"epoch {epoch + 1}/{args.epochs}: step {step}, loss {mean_loss:.4f}, "
+                f"validation accuracy {accuracy:.3f}",
+                flush=True,
+            )
+        if stop:
+            break
+    faulthandler.cancel_dump_traceback_later()
+    steps = torch.zeros(world_size, device=device)
+    steps[rank] = step - start
+    dist.all_reduce(steps)
+    return {
+        **where_it_ran(device),
+        "start_step": start,
+        "steps_by_rank": steps.int().tolist(),
+        "validation_accuracy": accuracy,
+        "losses": global_losses(local, history, start, step),
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add = parser.add_argument
+    add("--fail", choices=FAILURES, help="the bug to cause (default: none)")
+    add("--fail-step", type=int, default=10, help="where crash, kill, stuck strike")
+    add("--fix", choices=("sampler", "join", "steps"), help="the cure for uneven data")
+    add("--epochs", type=int, default=3, help="passes over the data (default: 3)")
+    add("--samples", type=int, default=256, help="training samples (default: 256)")
+    add("--global-batch-size", type=int, default=32, help="samples per step")
+    add("--lr", type=float, default=0.1, help="SGD learning rate, momentum 0.9")
+    add("--seed", type=int, default=0, help="seed of the data, model and sampler")
+    add("--shard", action="store_true", help="FSDP2 (fully_shard) instead of DDP")
+    add("--timeout", type=float, default=600, help="seconds a collective may wait")
+    add("--barrier-timeout", type=float, default=0, help="seconds; 0: no barrier")
+    add("--stall-dump", type=float, default=0, help="seconds a step may take; 0: off")
+    add("--check-every", type=int, default=0, help="steps between checks; 0: none")
+    add("--time-limit", type=float, default=0, help="seconds; 0: none (rank 0 decides)")
+    add("--checkpoint-dir", default="", help="a folder for DCP checkpoints")
+    add("--checkpoint-every", type=int, default=0, help="steps; 0: never")
+    add("--flight-recorder", default="", help="a folder for each rank's dump on error")
+    add("--results", default="", help="a JSON file for rank 0's results")
+    args = parser.parse_args(argv)
+    if args.checkpoint_every and not args.checkpoint_dir:
+        parser.error("--checkpoint-every needs --checkpoint-dir")
+    if args.shard and args.fix == "join":
+        parser.error("--fix join works with DDP, not with --shard")
+    return args
+
+
+@record
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if hasattr(signal, "SIGUSR1"):  # kill -USR1 PID: print every thread's stack
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    rank, _, _, device = setup_distributed(args.timeout)
+    try:
+        results = train(args, device)
+    except Exception:
+        if args.flight_recorder:
+            dump_flight_recorder(args.flight_recorder, device)
+        raise
+    if rank == 0 and args.results:
+        Path(args.results).write_text(json.dumps(results, indent=1))
+    gc.collect()  # DDP's reducer, in a reference cycle, must go before its group
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,467 @@
+"""Unit tests of companion/failures.py: the launchers, and the parsers that turn
+what PyTorch's tools printed into a diagnosis.
+
+The parsers are fed the lines that torch 2.10 and 2.14.1 printed on this
+stack (process ids, ports and paths changed), so that a change of format in
+either shows here; tests/test_scripts_failures.py causes every failure for
+real and checks the diagnoses end to end. The exercises of chapter 15 quote
+such lines too: their diagnoses are checked here, against the notebook's
+text. No test here imports torch in a child process: together they take
+about a second.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from companion.failures import (
+    Collective,
+    Mismatch,
+    compare_flight_records,
+    excerpt,
+    find_barrier_report,
+    find_drift,
+    find_gloo_errors,
+    find_mismatch,
+    find_root_cause,
+    find_stacks,
+    op_name,
+    read_flight_records,
+    run_ranks,
+    sanitize,
+    torchrun_summary,
+    where_stuck,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOK = ROOT / "notebooks" / "15_when_it_goes_wrong.ipynb"
+
+OPTIONS = (
+    "TensorDeviceTypes=TensorOptions(dtype=float (default), device=cpu, layout="
+    "Strided (default), requires_grad=false (default), pinned_memory=false "
+    "(default), memory_format=(nullopt))"
+)
+# What DETAIL printed for --fail shape --shard, the same in 2.10 and 2.14.1.
+DETAIL_SHAPE = (
+    "[rank1]: RuntimeError: Detected mismatch between collectives on ranks. Rank 1 "
+    "is running collective: CollectiveFingerPrint(SequenceNumber=52, OpType=ALLGATHER"
+    f", TensorShape=[51], TensorDtypes=Double, {OPTIONS}), but Rank 0 is running "
+    "collective: CollectiveFingerPrint(SequenceNumber=52, OpType=ALLGATHER, "
+    f"TensorShape=[50], TensorDtypes=Double, {OPTIONS}).Collectives differ in the "
+    "following aspects: \t Tensor Tensor shapes: 51vs 50\n"
+)
+
+# torchrun's summary for --fail crash: 2.14.1 ends the exitcode line with a
+# space, 2.10 does not.
+SUMMARY = """\
+============================================================
+failures.py FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-11-25_22:45:01
+  host      : node7
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 25896)  (SIGTERM)
+  error_file: /tmp/torchelastic_h264k7t0/fe1de6f5_pipf2yr4/attempt_1/0/error.json
+  traceback : Traceback (most recent call last):
+    File "/venv/lib/python3.11/site-packages/torch/_tensor.py", line 630, in backward
+      torch.autograd.backward(
+  RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:547] \
+Connection closed by peer [127.0.0.1]:15529
+  
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-25_22:45:00
+  host      : node7
+  rank      : 1 (local_rank: 1)
+  exitcode  : 1 (pid: 25897){space}
+  error_file: /tmp/torchelastic_h264k7t0/fe1de6f5_pipf2yr4/attempt_1/1/error.json
+  traceback : Traceback (most recent call last):
+    File "/work/companion/scripts/failures.py", line 196, in load_batch
+      raise ValueError(f"sample {{indices[0]}} is corrupt")
+  ValueError: sample 232 is corrupt
+  
+============================================================
+"""
+KILLED = """\
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-25_22:41:36
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 23335)  (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 23335
+============================================================
+"""
+# faulthandler's dumps under torchrun --tee 3 (dump_traceback_later).
+STACKS = """\
+[default0]:Timeout (0:00:01.500000)!
+[default0]:Thread 0x00007fc160409b80 (most recent call first):
+[default0]:  File "/v/torch/autograd/graph.py", line 1072 in _engine_run_backward
+[default0]:  File "/v/torch/autograd/__init__.py", line 395 in backward
+[default0]:  File "/v/torch/_tensor.py", line 623 in backward
+[default0]:  File "/w/companion/scripts/failures.py", line 333 in train
+[default0]:  File "/w/companion/scripts/failures.py", line 410 in main
+[default1]:Timeout (0:00:01.500000)!
+[default1]:Thread 0x00007f7dcea50b80 (most recent call first):
+[default1]:  File "/w/companion/scripts/failures.py", line 201 in load_batch
+[default1]:  File "/w/companion/scripts/failures.py", line 330 in train
+"""
+
+
+def test_op_names_of_detail_and_the_flight_recorder_agree():
+    assert op_name("ALLREDUCE") == op_name("gloo:all_reduce") == "all_reduce"
+    assert op_name("nccl:broadcast") == op_name("BROADCAST") == "broadcast"
+    assert op_name("_ALLGATHER_BASE") == "all_gather_into_tensor"
+    assert op_name("SOMETHING_NEW") == "something_new"
+
+
+def test_detail_mismatch_names_ranks_ops_and_shapes():
+    mismatch = find_mismatch("noise before\n" + DETAIL_SHAPE)
+    assert mismatch.ranks == [0, 1]
+    assert [(c.op, c.shape, c.dtype, c.sequence) for c in mismatch.collectives] == [
+        ("all_gather", (50,), "Double", 52),
+        ("all_gather", (51,), "Double", 52),
+    ]
+    assert mismatch.differs_in == ["shape"]
+    assert find_mismatch("Timed out waiting 2000ms for recv operation") is None
+
+
+def test_a_fingerprint_without_tensors_still_parses():
+    line = (
+        "Detected mismatch between collectives on ranks. Rank 0 is running "
+        "collective: CollectiveFingerPrint(SequenceNumber=3, OpType=BARRIER), but "
+        "Rank 1 is running collective: CollectiveFingerPrint(SequenceNumber=3, "
+        f"OpType=ALLREDUCE, TensorShape=[2], TensorDtypes=Float, {OPTIONS})."
+    )
+    mismatch = find_mismatch(line)
+    assert [(c.rank, c.op, c.shape) for c in mismatch.collectives] == [
+        (0, "barrier", None),
+        (1, "all_reduce", (2,)),
+    ]
+    assert mismatch.differs_in == ["op", "shape", "dtype"]
+
+
+def test_monitored_barrier_reports_both_sides():
+    rank0 = "[rank0]: RuntimeError: [Rank 0]: Rank 1 failed to pass monitoredBarrier in 1000 ms"
+    assert find_barrier_report(rank0).missing == (1,)
+    several = "Ranks 1, 3 failed to pass monitoredBarrier in 2000 ms"
+    assert find_barrier_report(several).missing == (1, 3)
+    other = (
+        "Rank 1 successfully reached monitoredBarrier, but received errors while "
+        "waiting for send/recv from rank 0. Please check rank 0 logs for faulty rank."
+    )
+    assert find_barrier_report(other).reached == (1,)
+    assert find_barrier_report("all good") is None
+
+
+def test_gloo_errors_in_a_few_words():
+    outputs = [
+        (
+            "[rank0]: RuntimeError: [/x/gloo/transport/tcp/unbound_buffer.cc:78] "
+            "Timed out waiting 2000ms for recv operation to complete"
+        ),
+        (
+            "RuntimeError: [/x/pair.cc:545] Read error [127.0.0.1]:7088: Connection "
+            "reset by peer. This is typically caused by ..."
+        ),
+        (
+            "what():  [enforce fail at /x/pair.cc:464] op.preamble.length <= "
+            "op.nbytes. 840 vs 8. Received data size doesn't match expected size."
+        ),
+        "epoch 1/3: step 8, loss 0.6132",
+    ]
+    assert find_gloo_errors(outputs) == {
+        0: "timed out after 2000 ms",
+        1: "lost the connection to a peer",
+        2: "received data of the wrong size",
+    }
+
+
+@pytest.mark.parametrize("space", [" ", ""], ids=["2.14", "2.10"])
+def test_torchruns_root_cause_and_error_file(space):
+    text = SUMMARY.format(space=space)
+    root = find_root_cause(text)
+    assert (root.rank, root.exitcode, root.signal) == (1, 1, None)
+    assert root.error == "ValueError: sample 232 is corrupt"
+    assert root.has_error_file
+    assert root.others == {0: -15}
+    shown = torchrun_summary(text)
+    assert shown.startswith("Root Cause (first observed failure):")
+    assert "<tmp>/attempt_1/1/error.json" in shown
+    assert "traceback : … ValueError: sample 232 is corrupt" in shown
+    assert "25897" not in shown and "node7" not in shown and "22:45" not in shown
+
+
+def test_a_killed_worker_has_a_signal_and_no_error_file():
+    root = find_root_cause(KILLED)
+    assert (root.rank, root.exitcode, root.signal) == (1, -9, "SIGKILL")
+    assert not root.has_error_file
+    assert find_root_cause("no summary here") is None
+    assert torchrun_summary("no summary here") == ""
+
+
+def test_stacks_from_torchrun_tee_and_from_separate_outputs():
+    stacks = find_stacks(STACKS)
+    assert where_stuck(stacks[0]) == "train (in backward)"
+    assert where_stuck(stacks[1]) == "load_batch"
+    assert stacks[1][0].file == "failures.py" and stacks[1][0].line == 201
+    per_rank = [
+        "\n".join(line.split(":", 1)[1] for line in STACKS.splitlines() if tag in line)
+        for tag in ("[default0]", "[default1]")
+    ]
+    assert find_stacks(per_rank) == stacks
+    signal_dump = 'Current thread 0x00007f (most recent call first):\n  File "/a/b.py", line 3 in f\n'
+    assert where_stuck(find_stacks([signal_dump])[0], script="b.py") == "f"
+    assert find_stacks(["no dump"]) == {}
+
+
+def _dump(folder: Path, rank: int, entries: list[tuple]) -> None:
+    """A Flight Recorder file as _dump_fr_trace writes it (the fields read here).
+
+    Each entry: (sequence number, op, shape, calling function[, group]).
+    """
+    records = [
+        {
+            "process_group": ("0", (group or ["default_pg"])[0]),
+            "profiling_name": f"gloo:{op}",
+            "input_sizes": [list(shape)],
+            "input_dtypes": ["Double"],
+            "collective_seq_id": seq,
+            "frames": [
+                {"name": op, "filename": "/t/distributed_c10d.py", "line": 1},
+                {"name": where, "filename": "/s/failures.py", "line": 2},
+            ],
+        }
+        for seq, op, shape, where, *group in entries
+    ]
+    (folder / f"rank_{rank}").write_bytes(
+        pickle.dumps({"version": "2.10", "pg_config": {}, "entries": records})
+    )
+
+
+def test_flight_records_part_where_op_shape_or_caller_differ(tmp_path):
+    common = (14, "all_reduce", (420,), "train")
+    _dump(tmp_path, 0, [common, (15, "broadcast", (1,), "end_epoch")])
+    _dump(tmp_path, 1, [common, (15, "all_reduce", (2,), "end_epoch")])
+    records = read_flight_records(tmp_path)
+    assert [c.where for c in records[0]] == ["train", "end_epoch"]
+    parted = compare_flight_records(records)
+    assert [(c.rank, c.op, c.shape) for c in parted.collectives] == [
+        (0, "broadcast", (1,)),
+        (1, "all_reduce", (2,)),
+    ]
+    assert parted.differs_in == ["op", "shape"]
+    # same operation and shape, called from different places: still parted
+    _dump(tmp_path, 0, [common, (15, "all_reduce", (2,), "end_epoch")])
+    _dump(tmp_path, 1, [common, (15, "all_reduce", (2,), "validate")])
+    assert compare_flight_records(read_flight_records(tmp_path)).differs_in == ["where"]
+
+
+def test_flight_records_name_a_missing_rank_and_skip_other_groups(tmp_path):
+    _dump(
+        tmp_path,
+        0,
+        [(1, "all_reduce", (4,), "train"), (2, "all_reduce", (4,), "train")],
+    )
+    _dump(tmp_path, 1, [(1, "all_reduce", (4,), "train")])
+    parted = compare_flight_records(read_flight_records(tmp_path))
+    assert parted.missing == (1,) and parted.ranks == [0]
+    _dump(tmp_path, 1, [(1, "all_reduce", (4,), "train"), (2, "barrier", (), "x", "g")])
+    assert [c.sequence for c in read_flight_records(tmp_path)[1]] == [1]
+    _dump(
+        tmp_path,
+        1,
+        [(1, "all_reduce", (4,), "train"), (2, "all_reduce", (4,), "train")],
+    )
+    assert compare_flight_records(read_flight_records(tmp_path)) is None
+
+
+def test_drift_messages_of_the_scripts_checks():
+    replicas = (
+        "RuntimeError: the replicas differ after step 4: head.weight has norm 1.242308 "
+        "on rank 0, 1.224249 on rank 1 (apart by 1.8e-02)"
+    )
+    assert find_drift(replicas) == find_drift(replicas.replace("Runtime", "x"))
+    drift = find_drift(replicas)
+    assert (drift.kind, drift.step, drift.detail) == ("replicas", 4, "head.weight")
+    shards = "the ranks' shards overlap: 72 samples twice, 72 never; do all ..."
+    assert find_drift(shards).detail == "72 twice, 72 never"
+    assert (
+        find_drift("this epoch repeats the last one's order: set_epoch?").kind
+        == "order"
+    )
+    assert find_drift("epoch 1/3: step 8") is None
+
+
+def test_sanitize_removes_what_changes_between_runs():
+    text = (
+        "E1125 22:41:48.445000 23402 torch/x.py:1] failed (exitcode: 1) (pid: 23428)\n"
+        '  File "/home/me/.venv/lib/python3.11/site-packages/torch/autograd/graph.py", '
+        "line 5\n"
+        "[rank0]:[E1125 22:44:25.805342690 ProcessGroupGloo.cpp:66] [Rank 0]: x\n"
+        "Read error [127.0.0.1]:49814: Connection reset\n"
+        "Thread 0x00007fc160409b80 (most recent call first):\n"
+        "  host      : node17.cluster\n"
+        "  error_file: /tmp/torchelastic_ab12/3d_x9/attempt_0/1/error.json   \n"
+    )
+    clean = sanitize(text)
+    for volatile in (
+        "23402",
+        "23428",
+        "22:41",
+        "/home/me",
+        "49814",
+        "b80",
+        "node17",
+        "ab12",
+    ):
+        assert volatile not in clean, volatile
+    assert '".../site-packages/torch/autograd/graph.py"' in clean
+    assert "<tmp>/attempt_0/1/error.json\n" in clean
+    assert "[rank0]:[ProcessGroupGloo.cpp:66]" in clean
+
+
+def test_excerpt_keeps_matching_lines_once_shortened_and_wrapped():
+    text = DETAIL_SHAPE + DETAIL_SHAPE.replace("[rank1]", "[rank0]") + "other\n"
+    shown = excerpt(text, "Detected mismatch", width=60)
+    assert "TensorOptions" not in shown and "[rank" not in shown
+    assert shown.startswith("RuntimeError: Detected mismatch")
+    assert all(len(line) <= 60 for line in shown.splitlines())
+    assert shown.count("Detected mismatch") == 1  # the same line twice, shown once
+    assert excerpt("a\nb\n", "c") == ""
+
+
+# ---- the launcher, with a script that needs no torch (it starts in a moment)
+
+RANK_SCRIPT = """\
+import os, sys, time
+rank = int(os.environ["RANK"])
+print(f"rank {rank} of {os.environ['WORLD_SIZE']} at {os.environ['MASTER_ADDR']}:"
+      f"{os.environ['MASTER_PORT']}, gpus={os.environ.get('CUDA_VISIBLE_DEVICES')!r}, "
+      f"threads={os.environ['OMP_NUM_THREADS']}, args={sys.argv[1:]}", flush=True)
+if "fail" in sys.argv and rank == 1:
+    sys.exit(3)
+if "hang" in sys.argv or "fail" in sys.argv:
+    time.sleep(60)
+"""
+
+
+@pytest.fixture
+def rank_script(tmp_path: Path) -> Path:
+    path = tmp_path / "ranks.py"
+    path.write_text(RANK_SCRIPT)
+    return path
+
+
+def test_run_ranks_gives_each_rank_its_place_and_keeps_outputs_apart(rank_script):
+    run = run_ranks(rank_script, ["a", 1], nproc=3, env={"EXTRA": "x"}, timeout=20)
+    assert run.returncodes == [0, 0, 0] and not run.timed_out
+    ports = set()
+    for rank, output in enumerate(run.outputs):
+        match = re.match(
+            r"rank (\d) of 3 at 127\.0\.0\.1:(\d+), gpus='', threads=1, ", output
+        )
+        assert match and int(match.group(1)) == rank, output
+        ports.add(match.group(2))
+        assert "args=['a', '1']" in output
+    assert len(ports) == 1  # every rank meets at the same address
+    assert run.text.count("rank ") == 3
+
+
+def test_one_failed_rank_stops_the_others_after_the_grace(rank_script):
+    run = run_ranks(rank_script, ["fail"], timeout=30, grace=0.5)
+    assert run.returncodes[1] == 3 and run.returncodes[0] is None
+    assert not run.timed_out and run.seconds < 10
+
+
+def test_a_hang_is_stopped_at_the_timeout(rank_script):
+    run = run_ranks(rank_script, ["hang"], timeout=1.5)
+    assert run.timed_out and run.returncodes == [None, None]
+    assert 1.5 <= run.seconds < 10
+
+
+# ---- chapter 15's exercises quote tool output: their diagnoses hold
+
+
+def exercise_blocks() -> dict[str, list[str]]:
+    """Each exercise's ```text blocks, from the notebook's Markdown, by label."""
+    cells = json.loads(NOTEBOOK.read_text())["cells"]
+    markdown = "\n".join(
+        "".join(c["source"]) for c in cells if c["cell_type"] == "markdown"
+    )
+    blocks = {}
+    for label, body in re.findall(
+        r":label: (ch15_ex\d)\n(.*?)\n````", markdown, re.DOTALL
+    ):
+        blocks[label] = re.findall(r"```text\n(.*?)```", body, re.DOTALL)
+    return blocks
+
+
+def test_the_exercises_are_there_with_their_solutions():
+    blocks = exercise_blocks()
+    assert sorted(blocks) == ["ch15_ex1", "ch15_ex2", "ch15_ex3"]
+    markdown = NOTEBOOK.read_text()
+    for label in blocks:
+        assert "solution-start} " + label in markdown
+
+
+def test_exercise_1_is_an_allreduce_against_fsdps_allgather():
+    (block,) = exercise_blocks()["ch15_ex1"]
+    mismatch = find_mismatch(" ".join(block.split()))
+    assert [(c.rank, c.op, c.shape) for c in mismatch.collectives] == [
+        (0, "all_reduce", (2,)),
+        (1, "all_gather_into_tensor", (144,)),
+    ]
+
+
+def test_exercise_2_parts_at_15_by_caller():
+    (block,) = exercise_blocks()["ch15_ex2"]
+    records = {}
+    for rank, line in re.findall(
+        r"rank (\d): \.\.\. (.*?)(?=\nrank|\Z)", block, re.DOTALL
+    ):
+        records[int(rank)] = [
+            Collective(
+                int(rank), op, tuple(map(int, shape.split(","))), None, int(seq), where
+            )
+            for seq, op, shape, where in re.findall(
+                r"#(\d+) (\w+) \[([\d, ]+)\] in (\w+)", line
+            )
+        ]
+    parted = compare_flight_records(records)
+    assert isinstance(parted, Mismatch)
+    assert parted.collectives[0].sequence == 15 and parted.differs_in == ["where"]
+    assert [c.where for c in parted.collectives] == ["end_epoch", "validate"]
+
+
+def test_exercise_3_is_rank_0_ahead_in_end_epoch():
+    rank0, rank1 = exercise_blocks()["ch15_ex3"]
+    errors = find_gloo_errors([" ".join(rank0.split()), " ".join(rank1.split())])
+    assert errors == {
+        0: "received data of the wrong size",
+        1: "lost the connection to a peer",
+    }
+    assert "in end_epoch" in rank0 and "in train" in rank1
+
+
+def test_exercise_blocks_fit_the_page():
+    for blocks in exercise_blocks().values():
+        for block in blocks:
+            assert all(len(line) <= 88 for line in block.splitlines()), block
+
+
+def test_run_ranks_uses_this_interpreter_by_default(tmp_path):
+    probe = tmp_path / "which.py"
+    probe.write_text("import sys; print(sys.executable)")
+    run = run_ranks(probe, nproc=1, timeout=20)
+    assert run.outputs[0].strip() == sys.executable
