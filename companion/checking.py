@@ -21,7 +21,15 @@ import torch.distributed as dist
 
 from companion.timing import synchronize
 
-__all__ = ["TOLERANCES", "clock", "every_rank", "finish", "print0", "tolerance"]
+__all__ = [
+    "TOLERANCES",
+    "clock",
+    "every_rank",
+    "finish",
+    "first_miss",
+    "print0",
+    "tolerance",
+]
 
 # Largest loss difference from the plain model that counts as equal. float64:
 # a few Adam steps land about 1e-15 from one process, on CPUs with gloo and on
@@ -34,6 +42,14 @@ TOLERANCES = {"float64": 1e-10, "float32": 1e-4}
 def tolerance(dtype: str, given: float | None = None) -> float:
     """``given``, else the tolerance of ``dtype`` (``"float32"`` or ``"float64"``)."""
     return TOLERANCES[dtype] if given is None else given
+
+
+def first_miss(checks: dict[str, bool]) -> str:
+    """The sentence a check ends with when a comparison missed ("" when none did)."""
+    missed = [name for name, ok in checks.items() if not ok]
+    return (
+        f"{missed[0]}: measured and predicted differ; see the results" if missed else ""
+    )
 
 
 def clock() -> float:

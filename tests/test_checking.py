@@ -45,3 +45,12 @@ def test_a_missed_check_exits_with_code_3_and_one_sentence(
     assert stopped.value.code == 3
     assert capsys.readouterr().err == "some_check.py: error: the losses differ.\n"
     assert json.loads(path.read_text())["checks"] == {"losses": False}  # written first
+
+
+def test_first_miss_names_the_first_comparison_that_missed():
+    from companion.checking import first_miss
+
+    assert first_miss({"bytes": True, "work": True}) == ""
+    assert first_miss({"bytes": True, "work": False, "loss": False}).startswith(
+        "work: measured and predicted differ"
+    )

@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from companion.checking import every_rank, finish, print0, tolerance
+from companion.checking import every_rank, finish, first_miss, print0, tolerance
 from companion.long_context import (
     all_to_all_bytes_per_rank,
     dropped_tokens,
@@ -333,11 +333,7 @@ def judge(run: dict, everyone: list[dict], tol: float) -> tuple[dict, str]:
         "tolerance": tol,
         "checks": checks,
     }
-    missed = [k for k, ok in checks.items() if not ok]
-    failure = (
-        f"{missed[0]}: measured and predicted differ; see the results" if missed else ""
-    )
-    return results, failure
+    return results, first_miss(checks)
 
 
 def parse_args() -> argparse.Namespace:
