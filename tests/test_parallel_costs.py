@@ -1,12 +1,10 @@
-"""companion.parallel_costs: the bubble formula, the timeline figure and the cost model."""
+"""companion.parallel_costs: the bubble formula, replayed schedules and the cost model."""
 
 from __future__ import annotations
 
-import matplotlib
+import subprocess
+import sys
 
-matplotlib.use("Agg")
-
-import matplotlib.pyplot as plt
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -17,9 +15,11 @@ from companion.parallel_costs import (
     DeviceAndLink,
     GPTWorkload,
     bubble_fraction,
-    plot_pipeline_timeline,
+    model_state_bytes,
+    replay_schedule,
     ring_all_reduce_seconds,
     step_costs,
+    timeline_bubble,
 )
 
 FAST = DeviceAndLink("ideal", flops=1e12, bandwidth=float("inf"), latency=0.0)
@@ -101,22 +101,89 @@ def test_step_costs_refuse_more_micro_batches_than_sequences() -> None:
         step_costs(model, FAST, "pipeline", 2, microbatches=9)
 
 
-def test_the_timeline_draws_every_pass() -> None:
-    timeline = {
-        "makespan": 0.4,
-        "events": [
-            [["F", 0, 0, 0.0, 0.1], ["B", 0, 0, 0.3, 0.4]],
-            [["F", 1, 0, 0.1, 0.2], ["B", 1, 0, 0.2, 0.3]],
-        ],
-    }
-    ax = plot_pipeline_timeline(timeline, title="GPipe, m = 1")
-    bars = [p for p in ax.patches if p.get_width() > 0]
-    assert sorted((round(b.get_x()), round(b.get_width())) for b in bars) == [
-        (0, 100),
-        (100, 100),
-        (200, 100),
-        (300, 100),
+def gpipe_events(p: int, m: int) -> list[list[list]]:
+    """GPipe's order on each of p processes, with made-up (staggered) times."""
+    return [
+        [["F", s, i, s + i, s + i + 1] for i in range(m)]
+        + [["B", s, i, 10 * m + i, 10 * m + i + 2] for i in range(m)]
+        for s in range(p)
     ]
-    assert ax.get_xlim() == (0, 400) and ax.get_title() == "GPipe, m = 1"
-    assert [t.get_text() for t in ax.get_yticklabels()] == ["process 0", "process 1"]
-    plt.close("all")
+
+
+def one_f_one_b_events(p: int, m: int) -> list[list[list]]:
+    """1F1B's order (warm-up of p - s forward passes, then B and F in turn)."""
+    events = []
+    for s in range(p):
+        order = [("F", i) for i in range(min(m, p - s))]
+        f, b = len(order), 0
+        while b < m:
+            order.append(("B", b))
+            b += 1
+            if f < m:
+                order.append(("F", f))
+                f += 1
+        events.append(
+            [[k, s, i, 3.0 * n, 3.0 * n + 1] for n, (k, i) in enumerate(order)]
+        )
+    return events
+
+
+@pytest.mark.parametrize("p, m", [(2, 2), (2, 8), (4, 8), (4, 4)])
+def test_replayed_with_equal_stages_the_schedules_meet_the_formula(p, m) -> None:
+    for events in (gpipe_events(p, m), one_f_one_b_events(p, m)):
+        replay = replay_schedule(events)
+        assert timeline_bubble(replay) == pytest.approx(
+            bubble_fraction(p, m), abs=1e-12
+        )
+        assert replay["makespan"] == pytest.approx(3 * (m + p - 1))
+
+
+def test_the_replay_follows_the_dependencies() -> None:
+    events = gpipe_events(2, 2)
+    replay = replay_schedule(events, forward=1.0, backward=2.0)
+    starts = {(e[0], e[1], e[2]): e[3] for passes in replay["events"] for e in passes}
+    # F of stage 1 after stage 0's; B of stage 0 after stage 1's.
+    assert starts["F", 1, 0] == 1.0 and starts["F", 1, 1] == 2.0
+    assert starts["B", 1, 0] == 3.0 and starts["B", 0, 0] == 5.0
+    assert replay["makespan"] == 9.0
+    measured = replay_schedule(events, as_measured=True)  # passes as long as recorded
+    lengths = sorted(e[4] - e[3] for passes in measured["events"] for e in passes)
+    assert lengths == [1] * 4 + [2] * 4
+
+
+def test_an_impossible_order_is_one_sentence() -> None:
+    events = [[["B", 0, 0, 0, 1], ["F", 0, 0, 1, 2]], [["F", 1, 0, 0, 1]]]
+    with pytest.raises(CourseError, match="cannot run in the order given"):
+        replay_schedule(events)
+
+
+def test_fsdp_sends_one_and_a_half_all_reduces_and_overlap_hides_them() -> None:
+    model = GPTWorkload(n_layer=2, n_embd=8, seq_len=4, batch_size=2, dtype_bytes=4)
+    hw = DeviceAndLink("slow", flops=1e6, bandwidth=1000.0, latency=0.01)
+    data = step_costs(model, hw, "data", 4)
+    fsdp = step_costs(model, hw, "fsdp", 4)
+    assert fsdp["communication"] == pytest.approx(1.5 * data["communication"])
+    hidden = step_costs(model, hw, "fsdp", 4, overlap=True)
+    assert hidden["total"] == pytest.approx(max(fsdp["compute"], fsdp["communication"]))
+    # Tensor parallelism's all-reduces cannot hide: overlap changes nothing.
+    assert step_costs(model, hw, "tensor", 4, overlap=True) == step_costs(
+        model, hw, "tensor", 4
+    )
+
+
+def test_model_state_bytes() -> None:
+    model = GPTWorkload(n_layer=2, n_embd=8, seq_len=4, batch_size=2)
+    assert model_state_bytes(model, "data", 4) == 16 * 1536
+    for layout in ("fsdp", "tensor", "pipeline"):
+        assert model_state_bytes(model, layout, 4) == 4 * 1536
+    with pytest.raises(CourseError, match="not 'expert'"):
+        model_state_bytes(model, "expert", 4)
+
+
+def test_the_checks_can_import_the_formulas_without_matplotlib() -> None:
+    """The pipeline check imports this module in every process: no matplotlib."""
+    code = "import companion.parallel_costs, sys; print('matplotlib' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "False", out.stderr

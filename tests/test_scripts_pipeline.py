@@ -107,7 +107,22 @@ def test_the_formulas(p, m) -> None:
     assert pipeline_gpt.STAGES_PER_PROCESS["interleaved"] == 2
     assert check.in_flight_formula("gpipe", p, m) == [m] * p
     assert check.in_flight_formula("1f1b", p, m) == one_f_one_b_in_flight(p, m)
-    assert check.in_flight_formula("interleaved", p, m) is None
+
+
+@pytest.mark.parametrize(
+    "p, m, expected",
+    # Counted from torch's own action lists (ScheduleInterleaved1F1B's
+    # pipeline_order) on torch 2.10 and 2.14: stage passes in flight.
+    [
+        (2, 2, [4, 3]),
+        (2, 4, [5, 3]),
+        (2, 8, [5, 3]),
+        (4, 4, [8, 8, 7, 5]),
+        (4, 8, [11, 9, 7, 5]),
+    ],
+)
+def test_the_interleaved_formula(p, m, expected) -> None:
+    assert check.in_flight_formula("interleaved", p, m) == expected
 
 
 def test_in_flight_follows_the_order_the_passes_ended() -> None:
@@ -186,6 +201,9 @@ def test_the_interleaved_schedule_trains_as_one_process() -> None:
         )
         stages = {e[1] for passes in r["timeline"]["events"] for e in passes}
         assert stages == {0, 1, 2, 3}
+        assert r["in_flight"] == r["in_flight_formula"]
+        assert r["microbatch_saved_bytes"] == [None, None]
+    assert all(run["checks"].values()) and len(run["checks"]) == 4
     args = ["--schedule", "interleaved", "--microbatches", "4", "--steps", "2"]
     script = launch(NAME, args, nproc=2)
     assert script["losses"] == pytest.approx(reference, abs=TOL, rel=0)
@@ -228,6 +246,24 @@ def test_a_miscount_in_flight_is_one_sentence() -> None:
     }
     assert (
         "held [2, 1] micro-batches (3.00, 1.00 by their bytes), not [2, 1]" in failure
+    )
+
+
+def test_interleaved_counts_are_judged_without_bytes() -> None:
+    run = {
+        "schedule": "interleaved",
+        "microbatches": 4,
+        "losses": [3.0],
+        "in_flight": [5, 2],
+        "in_flight_formula": [5, 3],
+        "peak_saved_bytes": [500, 300],
+        "microbatch_saved_bytes": [None, None],
+    }
+    checks, failure = check.judge([run], [3.0], 1e-10)
+    assert checks["interleaved, m = 4: micro-batches in flight"] is False
+    assert failure == (
+        "interleaved, m = 4: the processes held [5, 2] micro-batches, not [5, 3] as "
+        "the schedule's formula says."
     )
 
 

@@ -250,6 +250,9 @@ def test_two_processes_split_three_ways_and_match_the_plain_model() -> None:
         assert 0 < timing[key] < 10, (key, timing)
     assert 0 < timing["all_reduce"] < 1 and timing["all_reduce_bytes"] == stream
     assert 0 < timing["all_reduce_in_step"] < 1
+    samples = timing["samples"]  # timed in turn, one sample of each per round
+    assert set(samples) == {"plain_one_process", "hand", "tp", "sp"}
+    assert {len(v) for v in samples.values()} == {2}  # --repeats 2
 
 
 def test_the_script_alone_trains_as_the_plain_model() -> None:

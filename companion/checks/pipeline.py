@@ -17,12 +17,15 @@ model on the same batches, and measures:
   the processes, against (p - 1) / (v m + p - 1), v the stages per process
   (``companion.parallel_costs.bubble_fraction``). The first step exchanges
   shapes and is not timed; the bubble reported is the median of the others;
+- the micro-batches in flight on each process (forward done, backward not
+  yet), read from the timeline, against the schedule's formula: all m for
+  GPipe, p - r on process r for 1F1B, (v - 1) p + 2 (p - 1 - r) + 1 stage
+  passes for the interleaved schedule (``in_flight_formula``);
 - the activations each process keeps for backward
   (``companion.memory.SavedTensors``, live from a save until backward frees
-  it): their peak over a step, divided by one micro-batch's (a forward pass
-  of the stage counted alone), against the micro-batches in flight (forward
-  done, backward not yet) read from the timeline and the schedule's formula:
-  all m for GPipe, at most p - s on stage s for 1F1B;
+  it): their peak over a step; with one stage per process also divided by
+  one micro-batch's (a forward pass of the stage counted alone), which must
+  give the count above;
 - the losses, against the plain model's (``companion.gpt.plain_losses``).
 
 Writes rank 0's results (``--results FILE``) for chapter 13. Exit codes: 0
@@ -50,13 +53,21 @@ from companion.parallel_costs import bubble_fraction
 from companion.scripts import pipeline_gpt
 
 
-def in_flight_formula(schedule: str, stages: int, m: int) -> list[int] | None:
-    """Micro-batches whose activations each stage holds at most (None: not predicted)."""
+def in_flight_formula(schedule: str, p: int, m: int) -> list[int]:
+    """Micro-batches whose activations each of the p processes holds at most.
+
+    GPipe: all m. 1F1B: p - r on process r (its warm-up forward passes and
+    one more). Interleaved, counted per stage pass (a micro-batch in each of
+    the process's v stages counts v times): the warm-up of torch's (and
+    Megatron-LM's) schedule, (v - 1) p + 2 (p - 1 - r), and one more, at
+    most v m.
+    """
     if schedule == "gpipe":
-        return [m] * stages
+        return [m] * p
     if schedule == "1f1b":
-        return [min(m, stages - s) for s in range(stages)]
-    return None
+        return [min(m, p - r) for r in range(p)]
+    v = pipeline_gpt.STAGES_PER_PROCESS[schedule]
+    return [min(v * m, (v - 1) * p + 2 * (p - 1 - r) + 1) for r in range(p)]
 
 
 def most_in_flight(events: list[list]) -> int:
@@ -190,22 +201,24 @@ def judge(runs: list[dict], reference: list[float], tol: float) -> tuple[dict, s
                 f"more than --tolerance {tol:g}."
             )
         formula = run["in_flight_formula"]
-        if formula is None:
-            continue
-        measured = [
-            peak / one if one else 0.0
-            for peak, one in zip(run["peak_saved_bytes"], run["microbatch_saved_bytes"])
-        ]
-        run["in_flight_from_bytes"] = measured
-        ok = run["in_flight"] == formula and all(
-            abs(a - f) <= 0.05 * f for a, f in zip(measured, formula)
-        )
+        ok = run["in_flight"] == formula
+        measured = []
+        if None not in run["microbatch_saved_bytes"]:  # one stage per process
+            measured = [
+                peak / one
+                for peak, one in zip(
+                    run["peak_saved_bytes"], run["microbatch_saved_bytes"]
+                )
+            ]
+            run["in_flight_from_bytes"] = measured
+            ok = ok and all(abs(a - f) <= 0.05 * f for a, f in zip(measured, formula))
         checks[f"{name}: micro-batches in flight"] = ok
         if not ok:
+            by_bytes = ", ".join(f"{a:.2f}" for a in measured)
             failures.append(
-                f"{name}: the stages held {run['in_flight']} micro-batches "
-                f"({', '.join(f'{a:.2f}' for a in measured)} by their bytes), "
-                f"not {formula} as the schedule's formula says."
+                f"{name}: the processes held {run['in_flight']} micro-batches"
+                + (f" ({by_bytes} by their bytes)" if measured else "")
+                + f", not {formula} as the schedule's formula says."
             )
     return checks, (failures or [""])[0]
 
@@ -254,7 +267,7 @@ def main() -> None:
         print0(  # ~: a measured fraction, which differs from run to run
             f"{schedule:<11} m = {m:<2}  step {step * 1e3:.1f} ms, bubble "
             f"~{run['bubble']:.2f} (formula {run['bubble_formula']:.2f}), "
-            f"in flight per stage {flight}"
+            f"in flight per process {flight}"
         )
     results, failure = None, ""
     if rank == 0:

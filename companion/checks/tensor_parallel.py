@@ -27,11 +27,13 @@ splits the model three ways over all the processes, ``hand``, ``tp`` and
   against formulas per position and block: plain 16d + 4 + hT; TP 4d + 4 +
   (12d + hT)/N; TP+SP 2d + (14d + 4 + hT)/N (DTensor keeps the gathered
   inputs of attention and MLP whole);
-- for a cost model, never checked: the median seconds of ``--repeats``
-  forward and backward passes after a warm-up, between barriers, on a clock
-  that waits for the device: the plain model on rank 0 with all the
-  processes' threads and with one process's, each split; one all-reduce of
-  B T d elements alone, and the median of those the hand-split steps ran.
+- for a cost model, never checked: the seconds of ``--repeats`` forward and
+  backward passes after a warm-up, on a clock that waits for the device:
+  the plain model on rank 0 with all the processes' threads; then, in turn
+  round after round, the plain model on rank 0 with one process's threads
+  and each split between barriers (every sample, and the medians); one
+  all-reduce of B T d elements alone, and the median of those the
+  hand-split steps ran.
 
 ``--layout 2d`` trains DTensor's split inside each row of the ``--mesh`` and
 FSDP2 along its columns (5 steps unless told otherwise), and checks its
@@ -283,16 +285,19 @@ def median_seconds(fn: Callable[[], Any], repeats: int, together: bool = True) -
     ``together`` every rank calls it between two barriers (the slowest sets
     the time), else this rank alone."""
     fn()
-    times = []
-    for _ in range(repeats):
-        if together:
-            dist.barrier()
-        tic = clock()
-        fn()
-        if together:
-            dist.barrier()
-        times.append(clock() - tic)
-    return statistics.median(times)
+    return statistics.median(seconds_of(fn, together) for _ in range(repeats))
+
+
+def seconds_of(fn: Callable[[], Any], together: bool = True) -> float:
+    """Seconds of one call of ``fn()``; with ``together`` every rank calls it
+    between two barriers, else this rank alone."""
+    if together:
+        dist.barrier()
+    tic = clock()
+    fn()
+    if together:
+        dist.barrier()
+    return clock() - tic
 
 
 def forward_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable:
@@ -322,25 +327,47 @@ def timed_all_reduces(seconds: list[float]) -> Iterator[None]:
 
 
 def measure_times(models: dict, plain: nn.Module, x, y, repeats: int) -> dict:
-    """Seconds per forward and backward pass, and of one all-reduce of B T d."""
-    n, threads = dist.get_world_size(), torch.get_num_threads()
+    """Seconds per forward and backward pass, and of one all-reduce of B T d.
+
+    The plain model with one process's threads and the splits are timed in
+    turn, round after round (``samples``), so that a machine that slows down
+    for a while slows all of them; their medians are the entries by name.
+    """
+    rank, n, threads = dist.get_rank(), dist.get_world_size(), torch.get_num_threads()
     seconds: dict[str, Any] = {"threads_per_process": threads}
-    if dist.get_rank() == 0:  # the others wait at the barrier below
+    if rank == 0:  # the others wait at the barrier below
         torch.set_num_threads(n * threads)
         seconds["plain_same_cpus"] = median_seconds(
             forward_backward(plain, x, y), repeats, together=False
         )
         torch.set_num_threads(threads)
-        seconds["plain_one_process"] = median_seconds(
-            forward_backward(plain, x, y), repeats, together=False
-        )
     dist.barrier()
-    for name, model in models.items():
-        in_step: list[float] = []
-        with timed_all_reduces(in_step) if name == "hand" else contextlib.nullcontext():
-            seconds[name] = median_seconds(forward_backward(model, x, y), repeats)
-        if in_step:
-            seconds["all_reduce_in_step"] = statistics.median(in_step)
+    steps = {name: forward_backward(model, x, y) for name, model in models.items()}
+    plain_step = forward_backward(plain, x, y)
+    samples: dict[str, list[float]] = {
+        "plain_one_process": [],
+        **{k: [] for k in steps},
+    }
+    in_step: list[float] = []
+    for round_ in range(repeats + 1):  # round 0 warms up
+        dist.barrier()
+        alone = seconds_of(plain_step, together=False) if rank == 0 else 0.0
+        timed = {"plain_one_process": alone}
+        for name, step in steps.items():
+            calls: list[float] = []
+            with (
+                timed_all_reduces(calls) if name == "hand" else contextlib.nullcontext()
+            ):
+                timed[name] = seconds_of(step)
+            if round_:
+                in_step += calls
+        for name, value in timed.items():
+            if round_:
+                samples[name].append(value)
+    seconds |= {name: statistics.median(values) for name, values in samples.items()}
+    seconds["samples"] = samples
+    if in_step:  # one process alone makes none
+        seconds["all_reduce_in_step"] = statistics.median(in_step)
     stream = torch.randn(
         x.numel() * plain.tok_emb.embedding_dim,
         dtype=plain.tok_emb.weight.dtype,
