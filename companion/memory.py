@@ -12,11 +12,18 @@ Training holds four kinds of tensors besides its temporaries:
 ``SavedTensors`` measures the fourth with autograd's saved-tensor hooks: it
 adds up the storages packed for backward, each once, leaving out the
 parameters and buffers (a layer saves its weight, but that memory is the
-model's anyway). ``memory_timeline`` follows the allocator instead: the bytes
-allocated, event by event, through the phases of a training step, as the
-PyTorch profiler records them. For sharded models, ``tensor_bytes`` counts
-what one rank holds (a DTensor's local shard, and the storage behind it) and
-``shard_rows`` predicts a shard's rows. Used in chapters 12 and 13.
+model's anyway). ``LiveTensors`` follows the tensors themselves: every
+storage an operation creates, at its current size, while it lives, and the
+most alive at once (what selective checkpointing keeps, which the hooks do
+not see, and a step's peak). ``memory_timeline`` follows the allocator
+instead: the bytes allocated, event by event, through the phases of a
+training step, as the PyTorch profiler records them; on CUDA,
+``cuda_memory`` reads the caching allocator's statistics, and
+``record_snapshot`` turns its recorded history into allocated and reserved
+bytes over a step (``plot_snapshot`` draws it). For sharded models,
+``tensor_bytes`` counts what one rank holds (a DTensor's local shard, and
+the storage behind it) and ``shard_rows`` predicts a shard's rows. Used in
+chapters 12 and 13.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ from typing import Any, Self
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
 from companion.notebook import CourseError
@@ -43,10 +52,16 @@ __all__ = [
     "CATEGORIES",
     "OPTIMIZER_COPIES",
     "Checkpointed",
+    "LiveTensors",
     "MemoryTimeline",
     "SavedTensors",
+    "SnapshotTimeline",
+    "cuda_memory",
     "memory_timeline",
+    "plot_snapshot",
+    "record_snapshot",
     "shard_rows",
+    "snapshot_timeline",
     "state_bytes",
     "state_bytes_formula",
     "tensor_bytes",
@@ -125,12 +140,19 @@ class SavedTensors:
     autograd lets go of the last of them (a backward pass frees them):
     ``live`` is the bytes held now and ``peak`` the most held at once, for a
     block that runs backward passes too, such as a pipeline's step.
+    ``by_dtype`` splits ``nbytes`` by the dtype of the tensors saved.
+
+    Selective activation checkpointing (``create_selective_checkpoint_contexts``)
+    keeps the outputs its policy saves outside these hooks (torch 2.10 to
+    2.14, unless 2.14's ``respect_saved_tensors_hooks=True``): count those
+    with ``LiveTensors``.
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
         self._excluded = {_storage(t).data_ptr() for t in exclude}
         self._saves: dict[int, list[int]] = {}  # address: [saves alive, bytes]
         self.nbytes = 0  # every storage saved, counted when it became live
+        self.by_dtype: dict[torch.dtype, int] = {}
         self.live = 0
         self.peak = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
@@ -143,6 +165,7 @@ class SavedTensors:
         entry = self._saves.setdefault(address, [0, storage.nbytes()])
         if entry[0] == 0:
             self.nbytes += entry[1]
+            self.by_dtype[tensor.dtype] = self.by_dtype.get(tensor.dtype, 0) + entry[1]
             self.live += entry[1]
             self.peak = max(self.peak, self.live)
         entry[0] += 1
@@ -179,6 +202,91 @@ class _Held:
 
 def _unpack(saved: torch.Tensor | _Held) -> torch.Tensor:
     return saved.tensor if isinstance(saved, _Held) else saved
+
+
+class LiveTensors(TorchDispatchMode):
+    """Follow the bytes of the tensors that operations create inside a ``with`` block.
+
+    ::
+
+        with LiveTensors(track=[*model.parameters()]) as tensors:
+            loss = loss_fn(model(x), y)
+        tensors.live  # bytes alive now: the tracked ones, and those made inside
+        tensors.peak  # the most alive at once, read after every operation
+
+    Every storage that an operation inside the block creates counts from then
+    until it dies, at its current size: FSDP2 frees a gathered parameter by
+    resizing its storage to zero (``UntypedStorage.resize_``, which no
+    dispatch mode sees, so the block watches that method too), and gathers it
+    again by resizing it back. ``track`` adds storages that exist already
+    (parameters, optimizer state), counted from the start; other storages
+    that existed before the block do not count. A DTensor counts its local
+    tensor. What the allocator adds (rounding, caching, buffers of the
+    communication library) is not seen: on CUDA compare with
+    ``torch.cuda.max_memory_allocated``. Used in chapter 12.
+    """
+
+    def __init__(self, track: Iterable[torch.Tensor] = ()) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._sizes: dict[int, int] = {}  # id of a followed storage: its bytes
+        self._refs: dict[int, weakref.ref] = {}
+        for tensor in track:
+            self._follow(_storage(tensor))
+        self._resize: Callable[..., Any] = torch.UntypedStorage.resize_
+
+    def _follow(self, storage: torch.UntypedStorage) -> None:
+        key = id(storage)
+        if key in self._refs and self._refs[key]() is storage:
+            return
+        self._sizes[key] = storage.nbytes()
+        # The storage's Python object lives exactly as long as the storage.
+        self._refs[key] = weakref.ref(storage, lambda _: self._forget(key))
+        self._add(self._sizes[key])
+
+    def _forget(self, key: int) -> None:
+        self._refs.pop(key, None)
+        self._add(-self._sizes.pop(key, 0))
+
+    def _add(self, nbytes: int) -> None:
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    def _resized(self, storage: torch.UntypedStorage, size: int) -> None:
+        """``UntypedStorage.resize_``, counted: a followed storage changes size, and
+        one resized from nothing (FSDP2 gathering a parameter) is followed."""
+        before = storage.nbytes()
+        self._resize(storage, size)
+        key = id(storage)
+        if key in self._refs and self._refs[key]() is storage:
+            self._add(storage.nbytes() - self._sizes[key])
+            self._sizes[key] = storage.nbytes()
+        elif before == 0:
+            self._follow(storage)
+
+    def __enter__(self) -> Self:
+        self._resize = torch.UntypedStorage.resize_
+        resized = self._resized
+        torch.UntypedStorage.resize_ = lambda storage, size: resized(storage, size)
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        torch.UntypedStorage.resize_ = self._resize
+        super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        before = {
+            id(_storage(t))
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor)
+        }
+        out = func(*args, **kwargs)
+        for t in tree_flatten(out)[0]:  # outputs on new storage: allocated here
+            if isinstance(t, torch.Tensor) and id(_storage(t)) not in before:
+                self._follow(_storage(t))
+        return out
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -277,6 +385,18 @@ class MemoryTimeline:
         values = self.total if category is None else self.bytes[category]
         return values[last]
 
+    def at_peak(self, category: str | None = None) -> int:
+        """Bytes in one category (or all) when all categories together peaked."""
+        total = self.total
+        first = total.index(max(total))
+        return total[first] if category is None else self.bytes[category][first]
+
+    def peak_phase(self) -> str:
+        """The phase in which all categories together peaked first ("" if outside)."""
+        total = self.total
+        when = self.times[total.index(max(total))]
+        return next((n for n, (a, b) in self.phases.items() if a <= when <= b), "")
+
 
 def memory_timeline(phases: Mapping[str, Callable[[], Any]]) -> MemoryTimeline:
     """Run the ``phases`` in order under the memory profiler; return its timeline.
@@ -330,3 +450,149 @@ def memory_timeline(phases: Mapping[str, Callable[[], Any]]) -> MemoryTimeline:
             n: ((a - start) / 1e6, (b - start) / 1e6) for n, (a, b) in ranges.items()
         },
     )
+
+
+def cuda_memory(device: torch.device | str | int | None = None) -> dict[str, int]:
+    """What the CUDA caching allocator reports for ``device``, in bytes.
+
+    ``allocated``: held by tensors now; ``reserved``: taken from the GPU by the
+    allocator, which keeps freed blocks for reuse (allocated plus its cache);
+    ``peak``: the most allocated at once since the last
+    ``torch.cuda.reset_peak_memory_stats``. Used in chapter 12.
+    """
+    return {
+        "allocated": torch.cuda.memory_allocated(device),
+        "reserved": torch.cuda.memory_reserved(device),
+        "peak": torch.cuda.max_memory_allocated(device),
+    }
+
+
+@dataclass(frozen=True)
+class SnapshotTimeline:
+    """Bytes the CUDA caching allocator had allocated and reserved, event by event.
+
+    Index 0 is before the first recorded event, index i after event i; each
+    phase covers the events ``range(*phases[name])``.
+    """
+
+    allocated: list[int]
+    reserved: list[int]
+    phases: dict[str, tuple[int, int]]
+
+    def peak(self) -> int:
+        """Most bytes allocated at once."""
+        return max(self.allocated)
+
+    def peak_phase(self) -> str:
+        """The phase whose events reached the peak first ("" if none did)."""
+        event = self.allocated.index(self.peak())  # after event number `event`
+        return next(
+            (n for n, (a, b) in self.phases.items() if a < event <= b),
+            "",
+        )
+
+    def at_end_of(self, phase: str) -> int:
+        """Bytes allocated when ``phase`` ended."""
+        return self.allocated[self.phases[phase][1]]
+
+
+def snapshot_timeline(
+    snapshot: Mapping[str, Any], marks: Mapping[str, int], device_index: int = 0
+) -> SnapshotTimeline:
+    """Allocated and reserved bytes after each event of a CUDA memory snapshot.
+
+    ``snapshot`` is what ``torch.cuda.memory._snapshot()`` returns while
+    ``_record_memory_history`` runs: the segments the allocator holds now, and
+    a trace of its events per device. An ``alloc`` adds a block's bytes and a
+    ``free_completed`` removes them; a ``segment_alloc`` (a ``cudaMalloc``)
+    adds to the reserved bytes and a ``segment_free`` removes. Walking back
+    from the segments' totals gives the values before the first event, so
+    blocks allocated before recording began count too. ``marks`` gives, per
+    phase in order, the number of events recorded when it ended.
+    """
+    trace = snapshot["device_traces"][device_index]
+    segments = [
+        s for s in snapshot["segments"] if s.get("device", device_index) == device_index
+    ]
+    steps = {"alloc": (1, 0), "free_completed": (-1, 0)}
+    steps |= {"segment_alloc": (0, 1), "segment_free": (0, -1)}
+    deltas = [
+        (a * e["size"], r * e["size"])
+        for e in trace
+        for a, r in [steps.get(e["action"], (0, 0))]
+    ]
+    allocated = [sum(s["allocated_size"] for s in segments) - sum(a for a, _ in deltas)]
+    reserved = [sum(s["total_size"] for s in segments) - sum(r for _, r in deltas)]
+    for a, r in deltas:
+        allocated.append(allocated[-1] + a)
+        reserved.append(reserved[-1] + r)
+    phases, start = {}, 0
+    for name, end in marks.items():
+        phases[name] = (start, min(end, len(trace)))
+        start = phases[name][1]
+    return SnapshotTimeline(allocated, reserved, phases)
+
+
+def record_snapshot(
+    phases: Mapping[str, Callable[[], Any]], device: torch.device | str | None = None
+) -> SnapshotTimeline:
+    """Run the ``phases`` in order on a CUDA device, recording the allocator's events.
+
+    ``torch.cuda.memory._record_memory_history`` keeps every allocation and
+    free (without stack traces here, which the snapshot viewer at
+    pytorch.org/memory_viz would show); after each phase a snapshot counts
+    the events so far. PyTorch recommends these snapshots for CUDA memory; the
+    profiler's ``memory_timeline`` is its older view. Used in chapter 12.
+    """
+    device = torch.device("cuda" if device is None else device)
+    index = torch.cuda.current_device() if device.index is None else device.index
+    memory = torch.cuda.memory
+    torch.cuda.synchronize(device)
+    memory._record_memory_history(
+        enabled="all", context=None, max_entries=1_000_000, clear_history=True
+    )
+    marks = {}
+    try:
+        for name, run in phases.items():
+            run()
+            torch.cuda.synchronize(device)
+            marks[name] = len(memory._snapshot()["device_traces"][index])
+        snapshot = memory._snapshot()
+    finally:
+        memory._record_memory_history(enabled=None)
+    return snapshot_timeline(snapshot, marks, index)
+
+
+def plot_snapshot(timeline: SnapshotTimeline, ax: Any = None) -> Any:
+    """Draw allocated and reserved MiB over the allocator's events, phases shaded.
+
+    Returns the matplotlib axes (new ones when ``ax`` is None). Used in chapter 12.
+    """
+    from companion.plotting import new_axes
+
+    if ax is None:
+        (ax,) = new_axes(width=7.0, height=3.4)
+    mib = 2**20
+    events = range(len(timeline.allocated))
+    ax.step(
+        events, [b / mib for b in timeline.reserved], where="post", label="reserved"
+    )
+    ax.step(
+        events, [b / mib for b in timeline.allocated], where="post", label="allocated"
+    )
+    for i, (name, (start, end)) in enumerate(timeline.phases.items()):
+        ax.axvspan(start, end, color="0.9" if i % 2 else "0.97", zorder=0)
+        ax.annotate(
+            name,
+            ((start + end) / 2, 1.0),
+            xycoords=("data", "axes fraction"),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
+    peak = timeline.allocated.index(timeline.peak())
+    ax.plot(peak, timeline.peak() / mib, "k*", markersize=10, label="peak")
+    ax.set(xlabel="allocator events since the step began", ylabel="MiB")
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="upper right", fontsize=8)
+    return ax

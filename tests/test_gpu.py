@@ -64,3 +64,23 @@ def test_ddp_train_on_the_gpu_computes_what_it_computes_on_the_cpu(tmp_path):
         finals[device] = list(state["model"].values())
     for a, b in zip(finals["cuda"], finals["cpu"]):
         assert (a - b).abs().max().item() < 1e-10
+
+
+def test_a_recorded_snapshot_agrees_with_the_allocators_statistics():
+    """The snapshot's walk over events ends where torch.cuda.memory_allocated is,
+    and a tensor made in a phase shows up in it, rounded up to 512 bytes."""
+    from companion.memory import cuda_memory, record_snapshot
+
+    kept = {}
+    timeline = record_snapshot(
+        {
+            "make": lambda: kept.update(t=torch.empty(1000, device="cuda")),
+            "free": lambda: kept.clear(),
+        }
+    )
+    after = cuda_memory()
+    assert timeline.allocated[-1] == after["allocated"]
+    assert timeline.reserved[-1] == after["reserved"]
+    made = timeline.at_end_of("make") - timeline.allocated[0]
+    assert made == 4096  # 4000 bytes in 512-byte blocks
+    assert timeline.peak_phase() == "make"

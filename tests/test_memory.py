@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+
+import matplotlib
 import pytest
 import torch
 from torch import nn
@@ -10,9 +13,16 @@ from companion import CourseError
 from companion.gpt import GPT, GPTConfig, lm_loss, saved_activation_bytes_formula
 from companion.memory import (
     Checkpointed,
+    LiveTensors,
+    MemoryTimeline,
     SavedTensors,
+    SnapshotTimeline,
+    cuda_memory,
     memory_timeline,
+    plot_snapshot,
+    record_snapshot,
     shard_rows,
+    snapshot_timeline,
     state_bytes,
     state_bytes_formula,
     tensor_bytes,
@@ -213,3 +223,191 @@ def test_the_timeline_sorts_a_training_step_into_categories(
     assert f0 == 0 <= timeline.times[0]  # the clock starts with the first phase
     assert f0 <= f1 <= b0 <= b1 <= s0 <= s1 < 60  # seconds, not microseconds
     assert list(tmp_path.iterdir()) == []
+
+
+def test_saved_bytes_are_split_by_dtype() -> None:
+    x = torch.randn(100, requires_grad=True)
+    with SavedTensors() as saved:
+        y = x.exp()  # keeps its float32 output
+        y.to(torch.bfloat16).exp()  # keeps its bfloat16 output
+    assert saved.by_dtype == {torch.float32: 400, torch.bfloat16: 200}
+    assert sum(saved.by_dtype.values()) == saved.nbytes
+
+
+def test_live_tensors_follow_what_operations_allocate_until_it_dies() -> None:
+    before = torch.ones(1000)  # exists already: not counted unless tracked
+    with LiveTensors() as tensors:
+        a = torch.ones(100)  # 400 bytes
+        b = before * 2  # 4000 bytes
+        view = b[:10]  # a view: no new storage
+        del a
+        c = torch.ones(50)  # 200 bytes
+        assert tensors.live == 4000 + 200
+        del b  # the view keeps the storage alive, all of it
+        assert tensors.live == 4200
+        del view
+        assert tensors.live == 200
+    assert tensors.peak == 400 + 4000  # before a died
+    with LiveTensors(track=[before, c]) as tracked:
+        assert tracked.live == 4000 + 200
+        before.add_(1)  # in place: nothing new
+        assert tracked.live == tracked.peak == 4200
+    del c
+    assert tracked.live == 4000  # followed until it dies, even after the block
+
+
+def test_live_tensors_see_a_storage_resized_to_nothing_and_back() -> None:
+    """FSDP2 frees a gathered parameter with ``resize_(0)`` and gathers it again."""
+    original = torch.UntypedStorage.resize_
+    gathered = torch.ones(256)  # 1 KiB
+    storage = gathered.untyped_storage()
+    with LiveTensors(track=[gathered]) as tensors:
+        storage.resize_(0)  # freed after forward
+        assert tensors.live == 0
+        storage.resize_(1024)  # gathered again for backward
+        assert tensors.live == tensors.peak == 1024
+    other = torch.ones(8)
+    other.untyped_storage().resize_(0)
+    with LiveTensors() as tensors:
+        other.untyped_storage().resize_(32)  # from nothing: allocated inside
+        assert tensors.live == 32
+    assert torch.UntypedStorage.resize_ is original  # restored after the block
+    storage.resize_(0)
+    assert storage.nbytes() == 0
+
+
+def test_live_tensors_count_what_selective_checkpointing_keeps() -> None:
+    """The saved-tensor hooks do not see the outputs a policy saves; this does."""
+    from torch.utils.checkpoint import (
+        CheckpointPolicy,
+        checkpoint,
+        create_selective_checkpoint_contexts,
+    )
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        save = op is torch.ops.aten.mm.default
+        return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(16, 64, bias=False), nn.GELU())
+    x = torch.randn(8, 16, requires_grad=True)
+    contexts = functools.partial(create_selective_checkpoint_contexts, policy)
+    with LiveTensors() as tensors:
+        y = checkpoint(mlp, x, use_reentrant=False, context_fn=contexts)
+    # The matmul's output (kept by the policy) and the GELU's (the result).
+    assert tensors.live == 2 * 8 * 64 * 4
+    y.sum().backward()
+    assert mlp[0].weight.grad is not None
+
+
+def test_the_timeline_finds_its_peak_and_the_phase_it_falls_in() -> None:
+    timeline = MemoryTimeline(
+        times=[0.0, 1.0, 2.0, 3.0, 4.0],
+        bytes={"activations": [0, 5, 9, 2, 0], "gradients": [0, 0, 3, 4, 4]},
+        phases={"forward": (0.0, 1.5), "backward": (1.5, 3.5), "step": (3.5, 4.0)},
+    )
+    assert timeline.peak() == 12
+    assert timeline.peak_phase() == "backward"
+    assert timeline.at_peak("activations") == 9 and timeline.at_peak() == 12
+
+
+def synthetic_snapshot() -> tuple[dict, dict[str, int]]:
+    """A snapshot as torch.cuda.memory._snapshot() returns it, for one step.
+
+    One 2 MiB segment existed before recording, with 1 KiB allocated (the
+    parameters); forward allocates 4 KiB and a new 20 MiB segment, backward
+    frees 3 KiB and allocates 2 KiB, the step frees 1 KiB.
+    """
+    mib, kib = 2**20, 2**10
+    trace = [
+        {"action": "segment_alloc", "addr": 9, "size": 20 * mib},
+        {"action": "alloc", "addr": 1, "size": 4 * kib},
+        {"action": "snapshot", "addr": 0, "size": 0},
+        {"action": "free_requested", "addr": 1, "size": 3 * kib},
+        {"action": "free_completed", "addr": 1, "size": 3 * kib},
+        {"action": "alloc", "addr": 2, "size": 2 * kib},
+        {"action": "free_completed", "addr": 3, "size": 1 * kib},
+    ]
+    segments = [
+        {"device": 0, "total_size": 2 * mib, "allocated_size": 3 * kib},
+        {"device": 0, "total_size": 20 * mib, "allocated_size": 0},
+        {"device": 1, "total_size": 2 * mib, "allocated_size": 2 * mib},
+    ]
+    snapshot = {"segments": segments, "device_traces": [trace, []]}
+    return snapshot, {"forward": 3, "backward": 6, "optimizer step": 7}
+
+
+def test_a_snapshot_becomes_allocated_and_reserved_bytes_per_event() -> None:
+    snapshot, marks = synthetic_snapshot()
+    timeline = snapshot_timeline(snapshot, marks)
+    kib, mib = 2**10, 2**20
+    assert timeline.allocated[:5] == [kib, kib, 5 * kib, 5 * kib, 5 * kib]
+    assert timeline.allocated[5:] == [2 * kib, 4 * kib, 3 * kib]
+    assert timeline.reserved == [2 * mib] + [22 * mib] * 7
+    assert timeline.phases == {
+        "forward": (0, 3),
+        "backward": (3, 6),
+        "optimizer step": (6, 7),
+    }
+    assert timeline.peak() == 5 * kib and timeline.peak_phase() == "forward"
+    assert timeline.at_end_of("backward") == 4 * kib
+    assert timeline.at_end_of("optimizer step") == 3 * kib  # the segments' total
+
+
+def test_recording_a_snapshot_counts_the_events_of_each_phase(monkeypatch) -> None:
+    """The CUDA calls, replaced: each phase appends events to a fake trace."""
+    snapshot, _ = synthetic_snapshot()
+    full = snapshot["device_traces"][0]
+    trace: list[dict] = []
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(
+        torch.cuda.memory,
+        "_record_memory_history",
+        lambda enabled="all", **kwargs: calls.append(enabled),
+    )
+    monkeypatch.setattr(
+        torch.cuda.memory,
+        "_snapshot",
+        lambda device=None: {**snapshot, "device_traces": [list(trace), []]},
+    )
+    phases = {
+        "forward": lambda: trace.extend(full[:3]),
+        "backward": lambda: trace.extend(full[3:6]),
+        "optimizer step": lambda: trace.extend(full[6:]),
+    }
+    timeline = record_snapshot(phases, "cuda:0")
+    assert calls == ["all", None]  # recording switched on, then off
+    assert timeline == snapshot_timeline(*synthetic_snapshot())
+    calls.clear()
+    with pytest.raises(RuntimeError, match="out of memory"):
+        record_snapshot({"forward": lambda: (_ for _ in ()).throw(RuntimeError(
+            "out of memory"))}, "cuda:0")  # fmt: skip
+    assert calls == ["all", None]  # off again, even after an error
+
+
+def test_the_snapshot_figure_draws_both_lines_the_phases_and_the_peak() -> None:
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    timeline = snapshot_timeline(*synthetic_snapshot())
+    ax = plot_snapshot(timeline)
+    labels = [line.get_label() for line in ax.get_lines()]
+    assert labels == ["reserved", "allocated", "peak"]
+    assert [t.get_text() for t in ax.texts] == ["forward", "backward", "optimizer step"]
+    star = ax.get_lines()[2]
+    assert list(star.get_xdata()) == [2] and list(star.get_ydata()) == [5 / 1024]
+    plt.close(ax.figure)
+
+
+def test_cuda_memory_reads_the_allocators_statistics(monkeypatch) -> None:
+    stats = {"memory_allocated": 3, "memory_reserved": 8, "max_memory_allocated": 5}
+    for name, value in stats.items():
+        monkeypatch.setattr(torch.cuda, name, lambda device=None, v=value: v)
+    assert cuda_memory("cuda:0") == {"allocated": 3, "reserved": 8, "peak": 5}
+
+
+def test_a_snapshot_timeline_is_a_plain_record() -> None:
+    timeline = SnapshotTimeline([0, 4, 1], [8, 8, 8], {"forward": (0, 2)})
+    assert timeline.peak() == 4 and timeline.peak_phase() == "forward"

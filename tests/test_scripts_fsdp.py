@@ -11,7 +11,11 @@ script and of ``companion/checks/fsdp_memory.py``:
   counter per parameter tensor, the counters whole on every rank;
 - the collectives of a step: per FSDP unit one all-gather before forward,
   one more before backward if it resharded after forward (the root only when
-  told explicitly), one reduce-scatter of the gradients; none alone;
+  told explicitly), one reduce-scatter of the gradients; none alone; with
+  mixed precision, gathered in bfloat16 (2 bytes) and reduced in float32 (4);
+- each rank's peak during a step: at least its shards, Adam's state and its
+  micro-batch's saved activations (the course's formula), and less than a
+  further four copies of the whole model's parameters;
 - checkpoints: saved by one number of processes and resumed by another, the
   losses continue the uninterrupted run; the file gathered to rank 0 holds
   the same tensors as the sharded checkpoint; a missing or broken checkpoint
@@ -40,7 +44,7 @@ from gpt_scripts import (
 from torch.distributed.tensor import init_device_mesh
 
 from companion.checks import fsdp_memory
-from companion.gpt import GPT, GPTConfig
+from companion.gpt import GPT, GPTConfig, saved_activation_bytes_formula
 from companion.launch import LaunchError, launch
 from companion.scripts import fsdp_gpt
 
@@ -48,7 +52,7 @@ pytestmark = pytest.mark.timeout(180)
 
 NAME, CHECK = "fsdp_gpt.py", "checks/fsdp_memory.py"
 TOL = 1e-10  # float64; measured differences are about 1e-16
-SETTINGS = ("on", "off", "all-on")
+SETTINGS = ("on", "off", "all-on", "on, bf16")
 
 
 def unit_shapes(config: dict) -> dict[str, list[tuple[int, ...]]]:
@@ -84,25 +88,26 @@ def expected_state(config: dict, n: int, rank: int, b: int = 8) -> dict:
 
 def expected_communication(config: dict, n: int, setting: str, b: int = 8) -> tuple:
     """(collectives of one step, unsharded bytes between forward and backward)."""
-    shard = {
-        name: b * sum(-(-s[0] // n) * math.prod(s[1:]) for s in shapes)
+    numel = {
+        name: sum(-(-s[0] // n) * math.prod(s[1:]) for s in shapes)
         for name, shapes in unit_shapes(config).items()
     }
-    kept = {"on": ["root"], "off": list(shard), "all-on": []}[setting]
-    unsharded = sum(n * shard[u] for u in kept)
+    gathered, reduced = (2, 4) if setting.endswith("bf16") else (b, b)
+    kept = {"on": ["root"], "off": list(numel), "all-on": []}[setting.split(",")[0]]
+    unsharded = sum(n * numel[u] * gathered for u in kept)
     if n == 1:
         return {}, unsharded
-    gathers = {u: 1 if u in kept else 2 for u in shard}
+    gathers = {u: 1 if u in kept else 2 for u in numel}
     return {
         "all-gather": {
             "calls": sum(gathers.values()),
-            "input_bytes": sum(gathers[u] * shard[u] for u in shard),
-            "output_bytes": sum(gathers[u] * n * shard[u] for u in shard),
+            "input_bytes": gathered * sum(gathers[u] * numel[u] for u in numel),
+            "output_bytes": gathered * n * sum(gathers[u] * numel[u] for u in numel),
         },
         "reduce-scatter": {
-            "calls": len(shard),
-            "input_bytes": n * sum(shard.values()),
-            "output_bytes": sum(shard.values()),
+            "calls": len(numel),
+            "input_bytes": reduced * n * sum(numel.values()),
+            "output_bytes": reduced * sum(numel.values()),
         },
     }, unsharded
 
@@ -144,6 +149,26 @@ def assert_measurements_match(out: dict) -> None:
     )
     assert out["checks"] == {"memory": True, "communication": True, "losses": True}
     assert out["cuda_peak_bytes_per_rank"] is None  # no GPU here
+    assert_peaks_plausible(out)
+
+
+def assert_peaks_plausible(out: dict) -> None:
+    """The last step's peak on every rank: the rank's shards and Adam's state,
+    its micro-batch's saved activations, and some gathered units on top."""
+    n, config = out["world_size"], out["config"]
+    gpt = GPTConfig(**config)
+    activations = sum(
+        saved_activation_bytes_formula(gpt, 8 // n, 64, dtype_bytes=8).values()
+    )
+    assert out["peak"]["step"] == len(out["steps"]) - 1
+    for rank, peak in enumerate(out["peak"]["bytes_per_rank"]):
+        state = expected_state(config, n, rank)
+        at_rest = state["parameters"]["storage"] + state["optimizer_state"]["storage"]
+        assert (
+            at_rest + activations
+            < peak
+            < at_rest + activations + 4 * 8 * out["n_params"]
+        ), (rank, peak, at_rest, activations)
 
 
 def test_the_scripts_model_is_companion_gpt() -> None:

@@ -14,14 +14,19 @@ functions, and measures:
 - the collectives of every step (``companion.collectives``) and the
   unsharded parameter bytes between forward and backward, for three
   settings of ``reshard_after_forward``: "on" (the blocks; the root left to
-  FSDP2, which keeps it), "off" and "all-on" (the root too), against their
-  formulas; one process makes no collective at all;
-- on CUDA, each rank's peak of allocated memory during the sharded run;
+  FSDP2, which keeps it), "off" and "all-on" (the root too), and for "on"
+  with FSDP2's mixed precision ("on, bf16": gathered in bfloat16, reduced
+  in float32), against their formulas; one process makes no collective;
+- each rank's peak during the last step: the bytes of its live tensors
+  (``companion.memory.LiveTensors``: shards, Adam's state, gathered
+  parameters, activations, gradients), and on CUDA the allocator's
+  ``max_memory_allocated`` over the same step;
 - with ``--save``, the script's two saves: the seconds on rank 0, the bytes
   of tensors each rank holds in the state it saves, the growth of rank 0's
   peak resident memory (``ru_maxrss``, KiB) and, on CUDA, the peak allocated;
 - the losses against the plain model trained by rank 0 in one process from
-  step 0 (``companion.gpt.plain_losses``).
+  step 0 (``companion.gpt.plain_losses``); with ``--mixed-precision`` they
+  differ by bfloat16's rounding, so give a ``--tolerance`` such as 0.05.
 
 Writes rank 0's results (``--results FILE``) for chapter 12. Exit codes: 0
 every measurement meets its formula; 3 one missed, said in one sentence; 2 bad
@@ -50,12 +55,20 @@ from torch.distributed.tensor import DTensor, init_device_mesh
 from companion.checking import clock, every_rank, finish, print0, tolerance
 from companion.collectives import CollectiveCounter
 from companion.gpt import GPTConfig, plain_losses
-from companion.memory import shard_rows, tensor_bytes
+from companion.memory import LiveTensors, shard_rows, tensor_bytes
 from companion.scripts import fsdp_gpt
 
 STEP_BYTES = 4  # Adam's step counter: a float32 scalar per parameter tensor
-# reshard_after_forward of the blocks and of the root (None: FSDP2's choice).
-SETTINGS = {"on": (True, None), "off": (False, False), "all-on": (True, True)}
+# reshard_after_forward of the blocks and of the root (None: FSDP2's choice),
+# and the mixed precision (a key of fsdp_gpt.MIXED, or None).
+SETTINGS = {
+    "on": (True, None, None),
+    "off": (False, False, None),
+    "all-on": (True, True, None),
+    "on, bf16": (True, None, "bf16"),
+}
+GATHER_BYTES = {"bf16": 2}  # bytes per element gathered and computed with
+REDUCE_BYTES = {"bf16": 4}  # bytes per element reduce-scattered with
 
 
 def units_of(model: nn.Module) -> list[dict]:
@@ -140,13 +153,18 @@ def predict_communication(units: list[dict], n: int, b: int, setting: str) -> di
     Unit u's padded shard has S_u elements; its all-gather sends S_u and
     receives N S_u, its reduce-scatter sends N S_u and keeps S_u. Every unit
     all-gathers before forward; a unit that resharded after forward gathers
-    again before backward. One process: no collectives.
+    again before backward. Elements are b bytes, or with mixed precision
+    2 gathered (bfloat16) and 4 reduced (float32). One process: no
+    collectives.
     """
-    shard = {
-        u["name"]: b * sum(padded_shard(p["shape"], n) for p in u["parameters"])
+    blocks, root, mixed = SETTINGS[setting]
+    gather_b, reduce_b = GATHER_BYTES.get(mixed, b), REDUCE_BYTES.get(mixed, b)
+    numel = {
+        u["name"]: sum(padded_shard(p["shape"], n) for p in u["parameters"])
         for u in units
     }
-    blocks, root = SETTINGS[setting]
+    shard = {name: gather_b * s for name, s in numel.items()}  # gathered
+    grads = {name: reduce_b * s for name, s in numel.items()}  # reduced
     resharded = {name: bool(root if name == "root" else blocks) for name in shard}
     kept = sum(n * s for name, s in shard.items() if not resharded[name])
     if n == 1:
@@ -160,9 +178,9 @@ def predict_communication(units: list[dict], n: int, b: int, setting: str) -> di
                 "output_bytes": sum(gathers[u] * n * s for u, s in shard.items()),
             },
             "reduce-scatter": {
-                "calls": len(shard),
-                "input_bytes": sum(n * s for s in shard.values()),
-                "output_bytes": sum(shard.values()),
+                "calls": len(grads),
+                "input_bytes": sum(n * s for s in grads.values()),
+                "output_bytes": sum(grads.values()),
             },
         },
         "unsharded_bytes_after_forward": kept,
@@ -176,19 +194,36 @@ def unsharded_parameter_bytes(model: nn.Module) -> int:
     ]
 
 
-def train_counted(model: nn.Module, optimizer, batches: list) -> dict:
+def held_at_start(model: nn.Module, optimizer, *batch: torch.Tensor) -> LiveTensors:
+    """A ``LiveTensors`` that follows what the rank holds now: its parameter
+    shards, their gradients, Adam's state and the batch (no reference kept
+    here: what the step frees must die)."""
+    params = list(model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    state = [v for s in optimizer.state.values() for v in s.values()]
+    return LiveTensors([*params, *grads, *state, *batch])
+
+
+def train_counted(model: nn.Module, optimizer, batches: list, device) -> dict:
     """Train with fsdp_gpt's ``train_step``; count every step's collectives, the
-    unsharded bytes between the first forward and its backward, and the state's
-    bytes after the first step, while the gradients exist."""
+    unsharded bytes between the first forward and its backward, the state's
+    bytes after the first step, while the gradients exist, and the peak of the
+    last step (with Adam's state, from the second step on)."""
     run: dict[str, Any] = {"losses": [], "per_step": []}
 
     def after_forward(*_: object) -> None:  # after FSDP2's own post-forward hook
         run.setdefault("after_forward", unsharded_parameter_bytes(model))
 
     hook = model.register_forward_hook(after_forward)
-    for x, y in batches:
-        with CollectiveCounter() as counter:
+    for i, (x, y) in enumerate(batches):
+        last = i == len(batches) - 1
+        tensors = held_at_start(model, optimizer, x, y) if last else None
+        if last and device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        with CollectiveCounter() as counter, tensors or contextlib.nullcontext():
             loss = fsdp_gpt.train_step(model, optimizer, x, y)
+        if tensors is not None:
+            run["peak"] = {"step": i, "bytes": tensors.peak, "cuda": cuda_peak(device)}
         run["per_step"].append(counter.total())
         run.setdefault("state", measure_state(model, optimizer))
         run["losses"].append(fsdp_gpt.mean_over_ranks(loss))
@@ -314,7 +349,11 @@ def judge(run: dict, everyone: list[dict], reference: list[float], tol: float):
             }
             for s in SETTINGS
         },
-        "cuda_peak_bytes_per_rank": [e["cuda_peak"] for e in everyone]
+        "peak": {
+            "step": everyone[0]["peak"]["step"],
+            "bytes_per_rank": [e["peak"]["bytes"] for e in everyone],
+        },
+        "cuda_peak_bytes_per_rank": [e["peak"]["cuda"] for e in everyone]
         if run["device"] == "cuda"
         else None,
         "checks": checks,
@@ -326,13 +365,18 @@ def judge(run: dict, everyone: list[dict], reference: list[float], tol: float):
         f"{mine['optimizer_state']['storage'] + mine['step_counters']['bytes']} B of "
         f"Adam state; the model's parameters take {run['n_params'] * b} B"
     )
+    peak = results["peak"]
+    print0(
+        f"rank 0's live tensors peaked at ~{peak['bytes_per_rank'][0]} B in step "
+        f"{run['steps'][peak['step']]}"
+    )
     for s in SETTINGS:
         said = [
             f"{v['calls']} {k}s ({v['output_bytes']} B out)"
             for k, v in comm[s]["per_step"][0].items()
         ]
         print0(
-            f"reshard_after_forward {s:6s}: {', '.join(said) or 'no collectives'} per "
+            f"reshard_after_forward {s:8s}: {', '.join(said) or 'no collectives'} per "
             f"step; {comm[s]['unsharded_bytes_after_forward']} B unsharded "
             "between forward and backward"
         )
@@ -376,14 +420,15 @@ def main() -> None:
         f"{start + args.steps - 1}"
     )
 
-    def sharded(setting: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    def sharded(setting: tuple) -> tuple[nn.Module, torch.optim.Optimizer]:
         model = fsdp_gpt.build_model(config, args.seed, args.dtype, device)
-        fsdp_gpt.shard_model(model, mesh, *SETTINGS[setting])
+        fsdp_gpt.shard_model(model, mesh, *setting)
         return model, torch.optim.Adam(model.parameters(), lr=args.lr)
 
-    if device.type == "cuda":  # the peak of the sharded run alone
-        torch.cuda.reset_peak_memory_stats(device)
-    model, optimizer = sharded(args.reshard_after_forward)
+    on = args.reshard_after_forward == "on"
+    # As fsdp_gpt.main shards (its root's None keeps the root gathered, as False).
+    chosen = (on, None if on else False, args.mixed_precision)
+    model, optimizer = sharded(chosen)
     units = units_of(model)
     checkpoint: dict[str, Any] = {}
     if args.load:
@@ -395,19 +440,18 @@ def main() -> None:
             f"at step {start}) in {checkpoint['load']['seconds']:.2f} s"
         )
     tic = clock()
-    run = train_counted(model, optimizer, batches)
+    run = train_counted(model, optimizer, batches, device)
     seconds = {"train": clock() - tic}
-    peak = cuda_peak(device)
     for step, loss in enumerate(run["losses"], start):
         print0(f"step {step:3d}  loss {loss:.6f}")
     # One counted step of each other setting, on a fresh model: the counts and
     # sizes do not depend on the values.
     communication = {}
-    for setting in SETTINGS:
+    for setting, values in SETTINGS.items():
         counted = (
             run
-            if setting == args.reshard_after_forward
-            else train_counted(*sharded(setting), batches[:1])
+            if values == chosen
+            else train_counted(*sharded(values), batches[:1], device)
         )
         communication[setting] = {
             "per_step": counted["per_step"],
@@ -429,7 +473,7 @@ def main() -> None:
             f"torch.save in {checkpoint['save']['gathered']['seconds']:.3f} s"
         )
     everyone = every_rank(
-        {"state": run["state"], "communication": communication, "cuda_peak": peak}
+        {"state": run["state"], "communication": communication, "peak": run["peak"]}
     )
     results, failure = None, ""
     if rank == 0:

@@ -11,10 +11,12 @@ Every rank builds the same GPT (the course's model, copied here so that the
 script stands alone) from the same seed, applies ``fully_shard`` to each block
 and then to the root (embeddings, final LayerNorm, head), and trains with Adam
 on its slice of the same global batches of the Zen of Python, read as
-characters. ``--save DIR`` writes a sharded checkpoint with
-torch.distributed.checkpoint (each rank its own shards, into DIR.tmp, renamed
-to DIR once complete, on a file system every node sees) and the full state
-gathered to rank 0 (DIR/full_state.pt, which loads into the plain model);
+characters (``--mixed-precision bf16``: gathered and computed in bfloat16,
+gradients reduced in float32, the shards and Adam's state in ``--dtype``).
+``--save DIR`` writes a sharded checkpoint with torch.distributed.checkpoint
+(each rank its own shards, into DIR.tmp, renamed to DIR once complete, on a
+file system every node sees) and the full state gathered to rank 0
+(DIR/full_state.pt, which loads into the plain model);
 ``--load DIR`` resumes from a sharded checkpoint saved by any number of
 processes, with its sizes and settings. companion/checks/fsdp_memory.py
 measures what each rank holds and sends.
@@ -49,7 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import init_device_mesh
 
 # ---- set-up: the same in every script of companion/scripts (a test checks it)
@@ -217,6 +219,9 @@ class CharText:
 # ---- settings and data
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
+# FSDP2's mixed precision: gather and compute in param_dtype, reduce-scatter the
+# gradients in reduce_dtype; the sharded parameters keep the model's dtype.
+MIXED = {"bf16": MixedPrecisionPolicy(torch.bfloat16, reduce_dtype=torch.float32)}
 MODEL = ("n_layer", "n_head", "n_embd", "block_size")
 SETTINGS = (*MODEL, "dtype", "batch_size", "seq_len", "lr", "seed")  # in meta.json
 
@@ -250,17 +255,20 @@ def local_slice(t: torch.Tensor) -> torch.Tensor:
 # ---- parallelise: FSDP2, one unit per block and one for the rest
 
 
-def shard_model(model: GPT, mesh, reshard_after_forward: bool = True, root=None):
+def shard_model(model: GPT, mesh, reshard_after_forward=True, root=None, mixed=None):
     """``fully_shard`` each block, then the root, in place.
 
     ``reshard_after_forward``: whether a block frees its gathered parameters
     after its forward pass (and gathers them again for backward). ``root``:
     the same for the root; None leaves it to FSDP2, which keeps the root's
-    gathered, since its backward pass begins at once.
+    gathered, since its backward pass begins at once. ``mixed``: a key of
+    MIXED, or None for no mixed precision.
     """
+    policy = MIXED[mixed] if mixed else MixedPrecisionPolicy()  # default: none
     for block in model.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    return fully_shard(model, mesh=mesh, reshard_after_forward=root)
+        fully_shard(block, mesh=mesh, mp_policy=policy,
+                    reshard_after_forward=reshard_after_forward)  # fmt: skip
+    return fully_shard(model, mesh=mesh, reshard_after_forward=root, mp_policy=policy)
 
 
 # ---- train
@@ -408,6 +416,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="on",
         help="free each block's gathered parameters after forward (default: on)",
     )
+    add(
+        "--mixed-precision",
+        choices=MIXED,
+        help="bf16: gather and compute in bfloat16, reduce in float32 (default: off)",
+    )
     add("--save", type=Path, help="checkpoint directory to write after training")
     add("--load", type=Path, help="checkpoint directory to resume from")
     add("--timeout", type=float, default=600, help="seconds to wait for the others")
@@ -442,7 +455,8 @@ def main() -> None:
     rank, _, world_size, device = setup_distributed(args.timeout)
     model = build_model(model_config(args), args.seed, args.dtype, device)
     mesh = init_device_mesh(device.type, (world_size,))
-    shard_model(model, mesh, args.reshard_after_forward == "on")
+    on = args.reshard_after_forward == "on"
+    shard_model(model, mesh, on, mixed=args.mixed_precision)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     start = args.meta["step"] if args.meta else 0
     if args.load:
