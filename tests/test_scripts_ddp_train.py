@@ -79,11 +79,13 @@ def assert_none_left(tag: str) -> None:
     assert not left, f"processes left behind: {left}"
 
 
-def start(cmd: list, tag: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+def start(
+    cmd: list, tag: str, env: dict[str, str] | None = None, cwd: Path = ROOT
+) -> subprocess.Popen:
     clean = {k: v for k, v in os.environ.items() if k not in LAUNCHER}
     return subprocess.Popen(
         [str(c) for c in cmd],
-        cwd=ROOT,
+        cwd=cwd,
         env={
             **clean,
             "OMP_NUM_THREADS": "1",
@@ -470,6 +472,42 @@ if problems:
 if os.environ.get("SRUN_RUN") == "1":
     os.execvp(args[0], args)
 """
+
+
+@pytest.mark.slow
+def test_nodes_that_see_different_checkpoints_stop_with_one_sentence(tmp_path):
+    """A relative --checkpoint-dir on two nodes: each has its own folder, and only
+    node 0's holds a checkpoint. Training apart would go wrong silently."""
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for node in nodes:
+        node.mkdir()
+    code, _, err = run([*TORCHRUN, "--nproc-per-node=1", SCRIPT, *TINY, "--steps",
+                        "8", "--checkpoint-dir", nodes[0] / "ckpt"])  # fmt: skip
+    assert code == 0, err
+    tag, port = uuid.uuid4().hex, free_port()
+    procs = [
+        start(
+            [
+                *TORCHRUN,
+                "--nnodes=2",
+                "--nproc-per-node=1",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                "--rdzv-id=test",
+                SCRIPT,
+                *TINY,
+                "--checkpoint-dir",
+                "ckpt",
+            ],
+            tag,
+            cwd=node,
+        )  # fmt: skip
+        for node in nodes
+    ]
+    for code, out, err in finish(procs, tag):
+        assert code != 0
+        said = [line for line in (out + err).splitlines() if "different steps" in line]
+        assert said and ("[0, 8]" in said[0] or "[8, 0]" in said[0]), out + err
 
 
 def run_sbatch(tmp_path, env: dict, args=()) -> tuple[int, str, dict]:

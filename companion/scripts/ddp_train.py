@@ -12,7 +12,8 @@ Each process trains a replica of the model on its own shard of every global
 batch (``DistributedSampler``); DDP averages the gradients, so every replica
 takes the same step. Rank 0 logs, and writes a checkpoint every
 ``--checkpoint-every`` steps into ``--checkpoint-dir``, atomically; a run
-resumes from the newest checkpoint there (torchrun's restarts rely on it).
+resumes from the newest checkpoint there (torchrun's restarts rely on it), which
+every rank must see alike (a file system every node sees).
 With ``--results FILE`` rank 0 writes a JSON summary: losses, accuracies,
 timing, and who ran where.
 
@@ -227,6 +228,11 @@ def train(args: argparse.Namespace) -> None:
         folder.mkdir(parents=True, exist_ok=True)
     state = load_checkpoint(folder, device, config) if folder else None
     step, losses = (state["step"], state["losses"]) if state else (0, [])
+    found = [0] * world_size
+    dist.all_gather_object(found, step)  # a folder each node sees alike, or stop
+    if len(set(found)) > 1:
+        fail(f"the ranks resume from different steps {found}: put --checkpoint-dir "
+             "on a file system that every node sees")  # fmt: skip
     if state:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])

@@ -1,4 +1,4 @@
-"""The smallest useful distributed program: every rank adds its number into a sum.
+"""The smallest useful distributed program: every rank adds rank + 1 into a sum.
 
     python hello_distributed.py                                    # one process
     torchrun --standalone --nproc-per-node=2 hello_distributed.py  # two, here
