@@ -78,24 +78,6 @@ EXAMPLES = {
         "fully_shard          max diff vs DDP = <difference>",
         "4 processes on cpu, 5 steps, global batch 128",
     ),
-    "convnext-differences": (
-        (
-            "halo: loss 2.302390 vs unsharded 2.302390, difference 0.0e+00; largest "
-            "gradient difference "
-            "7.8e-08 (1.9e-07 of the largest gradient); matches the unsharded model"
-        ),
-        (
-            "halo: loss <value> vs unsharded <value>, difference <value>; largest "
-            "gradient "
-            "difference "
-            "<value> (<value> of the largest gradient); matches the unsharded model"
-        ),
-        (
-            "halo: activations saved for backward 0.59 MiB per process (unsharded: "
-            "2.30 MiB)\n"
-            "step  200: loss 0.398"  # another chapter's training loss stays compared
-        ),
-    ),
     "table-rules": (
         "variant  time\n-------  ------\n",
         "variant  time\n<rule>\n",
