@@ -347,30 +347,23 @@ def test_killed_worker_restarts_and_resumes_from_its_checkpoint(
     assert all(torch.equal(a[k], b[k]) for k in a)  # bit for bit
 
 
+def two_nodes_command(port: int, args: list) -> list:
+    """One of two torchrun agents (one process each) that meet on 127.0.0.1."""
+    return [*TORCHRUN, "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=test", SCRIPT, *TINY,
+            *args]  # fmt: skip
+
+
 @pytest.mark.slow
 def test_two_torchrun_agents_train_as_two_nodes(two_processes, tmp_path):
     tag, port = uuid.uuid4().hex, free_port()
-    procs = [
-        start(
-            [
-                *TORCHRUN,
-                "--nnodes=2",
-                f"--node-rank={node}",
-                "--nproc-per-node=1",
-                "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{port}",
-                "--rdzv-id=test",
-                SCRIPT,
-                *TINY,
-                "--checkpoint-dir",
-                tmp_path / "ckpt",
-                "--results",
-                tmp_path / "results.json",
-            ],
-            tag,
-        )  # fmt: skip
-        for node in (0, 1)
+    args = [
+        "--checkpoint-dir",
+        tmp_path / "ckpt",
+        "--results",
+        tmp_path / "results.json",
     ]
+    procs = [start(two_nodes_command(port, args), tag) for _ in (0, 1)]
     outcomes = finish(procs, tag)
     assert [code for code, _, _ in outcomes] == [0, 0], outcomes
     two_nodes = json.loads((tmp_path / "results.json").read_text())
@@ -485,25 +478,8 @@ def test_nodes_that_see_different_checkpoints_stop_with_one_sentence(tmp_path):
                         "8", "--checkpoint-dir", nodes[0] / "ckpt"])  # fmt: skip
     assert code == 0, err
     tag, port = uuid.uuid4().hex, free_port()
-    procs = [
-        start(
-            [
-                *TORCHRUN,
-                "--nnodes=2",
-                "--nproc-per-node=1",
-                "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{port}",
-                "--rdzv-id=test",
-                SCRIPT,
-                *TINY,
-                "--checkpoint-dir",
-                "ckpt",
-            ],
-            tag,
-            cwd=node,
-        )  # fmt: skip
-        for node in nodes
-    ]
+    command = two_nodes_command(port, ["--checkpoint-dir", "ckpt"])
+    procs = [start(command, tag, cwd=node) for node in nodes]
     for code, out, err in finish(procs, tag):
         assert code != 0
         said = [line for line in (out + err).splitlines() if "different steps" in line]

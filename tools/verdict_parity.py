@@ -94,7 +94,7 @@ def load_reasons(path: Path = REASONS) -> list[dict]:
     """The explained differences: chapter, claim (a substring), when, reason."""
     if not path.is_file():
         return []
-    return tomllib.loads(path.read_text())["difference"]
+    return tomllib.loads(path.read_text()).get("difference", [])
 
 
 def compare(
