@@ -339,8 +339,11 @@ def test_killed_worker_restarts_and_resumes_from_its_checkpoint(
         [*TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=1",
          KILL_ONCE, *TINY], tmp_path, env,
     )  # fmt: skip
-    assert (tmp_path / "killed").exists()
-    assert "exitcode: -9" in output  # torchrun saw the worker die of SIGKILL
+    assert (tmp_path / "killed").exists()  # rank 1 touched it, then died of SIGKILL
+    # torchrun saw the group fail. Which rank it names is a race: rank 0's @record
+    # may time-stamp its own error (gloo lost its peer) a second before torchrun
+    # polls rank 1's -9, and then it names rank 0 (-15 or 1), as CI once saw.
+    assert re.search(r"failed \(exitcode: -?\d+\) local_rank: [01]", output)
     assert "resuming at step 8" in output and results["start_step"] == 8
     assert results["losses"] == two_processes["losses"]
     a, b = final_params(results), final_params(two_processes)
