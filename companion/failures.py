@@ -28,6 +28,7 @@ __all__ = [
     "BarrierReport",
     "Collective",
     "Drift",
+    "Failure",
     "Frame",
     "Mismatch",
     "RootCause",
@@ -38,6 +39,7 @@ __all__ = [
     "find_drift",
     "find_gloo_errors",
     "find_mismatch",
+    "find_failures",
     "find_root_cause",
     "find_stacks",
     "op_name",
@@ -45,6 +47,7 @@ __all__ = [
     "run_ranks",
     "run_torchrun",
     "sanitize",
+    "torchrun_entry",
     "torchrun_summary",
     "where_stuck",
 ]
@@ -364,52 +367,73 @@ def find_gloo_errors(outputs: Sequence[str]) -> dict[int, str]:
 
 
 @dataclass(frozen=True)
-class RootCause:
-    """torchrun's failure summary: the first rank to fail, and how."""
+class Failure:
+    """One rank's entry in torchrun's failure summary."""
 
     rank: int
     exitcode: int
     signal: str | None  # "SIGKILL" when a signal ended it
     error: str  # the last line of its traceback (from @record's error file)
     has_error_file: bool  # False: "error_file: <N/A>" (no @record, or a signal)
+
+
+@dataclass(frozen=True)
+class RootCause(Failure):
+    """The entry torchrun calls the root cause, and the other failed ranks."""
+
     others: dict[int, int]  # the other failed ranks and their exit codes
 
 
 _SUMMARY_ENTRY = re.compile(
-    r"rank\s*: (\d+) \(local_rank: \d+\)\s*\n"
-    r"\s*exitcode\s*: (-?\d+) \(pid: \d+\)[^\n]*\n"
-    r"\s*error_file: ([^\n]*)\n"
-    r"\s*traceback : (.*?)(?=\n\[\d+\]:|\n-{20,}|\n={20,})",
+    r"\[\d+\]:\n(?P<entry>[^\n]*\n[^\n]*\n"
+    r"\s*rank\s*: (?P<rank>\d+) \(local_rank: \d+\)\s*\n"
+    r"\s*exitcode\s*: (?P<code>-?\d+) \(pid: \d+\)[^\n]*\n"
+    r"\s*error_file: (?P<error_file>[^\n]*)\n"
+    r"\s*traceback : (?P<traceback>.*?))(?=\n\[\d+\]:|\n-{20,}|\n={20,})",
     re.DOTALL,
 )
+_ROOT = "Root Cause (first observed failure):"
+
+
+def _summary_entries(text: str) -> list[re.Match]:
+    """The entries of torchrun's last failure summary, the root cause first."""
+    root = text.rfind(_ROOT)
+    if root < 0:
+        return []
+    failures = text.rfind("Failures:", 0, root)
+    others = list(
+        _SUMMARY_ENTRY.finditer(text, failures if failures >= 0 else root, root)
+    )
+    return list(_SUMMARY_ENTRY.finditer(text, root))[:1] + others
+
+
+def find_failures(text: str) -> dict[int, Failure]:
+    """Every rank's entry in the failure summary ``torchrun`` prints when its
+    workers fail, by rank (the root cause first)."""
+    failures = {}
+    for entry in _summary_entries(text):
+        traceback = entry["traceback"]
+        lines = [line.strip() for line in traceback.splitlines() if line.strip()]
+        signal_name = re.search(r"\((SIG\w+)\) received", traceback)
+        failures[int(entry["rank"])] = Failure(
+            rank=int(entry["rank"]),
+            exitcode=int(entry["code"]),
+            signal=signal_name.group(1) if signal_name else None,
+            error=lines[-1] if lines else "",
+            has_error_file=entry["error_file"].strip() != "<N/A>",
+        )
+    return failures
 
 
 def find_root_cause(text: str) -> RootCause | None:
-    """Parse the failure summary ``torchrun`` prints when its workers fail."""
-    start = text.rfind("Root Cause (first observed failure):")
-    if start < 0:
+    """The entry torchrun's failure summary calls the root cause: the failure
+    with the earliest time stamp, to the second (torchrun stamps a killed
+    process when it notices it; @record stamps an exception when it is raised)."""
+    failures = list(find_failures(text).values())
+    if not failures:
         return None
-    root = _SUMMARY_ENTRY.search(text, start)
-    if root is None:
-        return None
-    failures = text.rfind("Failures:", 0, start)
-    others = {
-        int(m.group(1)): int(m.group(2))
-        for m in _SUMMARY_ENTRY.finditer(
-            text, failures if failures >= 0 else start, start
-        )
-    }
-    rank, code, error_file, traceback = root.groups()
-    lines = [line.strip() for line in traceback.strip().splitlines() if line.strip()]
-    signal_name = re.search(r"\((SIG\w+)\) received", traceback)
-    return RootCause(
-        rank=int(rank),
-        exitcode=int(code),
-        signal=signal_name.group(1) if signal_name else None,
-        error=lines[-1] if lines else "",
-        has_error_file=error_file.strip() != "<N/A>",
-        others=others,
-    )
+    others = {f.rank: f.exitcode for f in failures[1:]}
+    return RootCause(**vars(failures[0]), others=others)
 
 
 @dataclass(frozen=True)
@@ -582,20 +606,36 @@ def excerpt(text: str, *patterns: str, limit: int = 6, width: int = 88) -> str:
     return "\n".join(kept[:limit])
 
 
-def torchrun_summary(text: str) -> str:
-    """The root cause in torchrun's failure summary: sanitised, its traceback cut
-    to the last line. (The other ranks' entries depend on timing: torchrun stops
-    them once one fails, and they may or may not have failed by themselves.)"""
-    start = text.rfind("Root Cause (first observed failure):")
-    end = text.find("=" * 20, start)
-    if start < 0 or end < 0:
-        return ""
-    block = sanitize(text[start:end])
-    frames = re.compile(
-        r"(traceback : )Traceback \(most recent call last\):\n(?:    .*\n|\s*\n)*  (\S.*)"
-    )
-    block = frames.sub(r"\1… \2", block).rstrip()
+_FRAMES = re.compile(
+    r"(traceback : )Traceback \(most recent call last\):\n(?:    .*\n|\s*\n)*  (\S.*)"
+)
+
+
+def _shown(block: str) -> str:
+    """A piece of the failure summary, sanitised, its tracebacks cut to their
+    last line, wrapped at 88 columns."""
+    block = _FRAMES.sub(r"\1… \2", sanitize(block)).rstrip()
     return "\n".join(
         textwrap.fill(line, 88, subsequent_indent=" " * 14)
         for line in block.splitlines()
     )
+
+
+def torchrun_summary(text: str) -> str:
+    """The root cause in torchrun's failure summary, as :func:`_shown` shows it.
+    (The other ranks' entries depend on timing: torchrun stops them once one
+    fails, and they may or may not have failed by themselves.)"""
+    start = text.rfind(_ROOT)
+    end = text.find("=" * 20, start)
+    if start < 0 or end < 0:
+        return ""
+    return _shown(text[start:end])
+
+
+def torchrun_entry(text: str, rank: int) -> str:
+    """Rank ``rank``'s entry in torchrun's failure summary, whether it is the root
+    cause or one of the other failures, without its position in the summary."""
+    for entry in _summary_entries(text):
+        if int(entry["rank"]) == rank:
+            return _shown(entry["entry"] + "\n")
+    return ""

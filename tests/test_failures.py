@@ -27,6 +27,7 @@ from companion.failures import (
     excerpt,
     find_barrier_report,
     find_drift,
+    find_failures,
     find_gloo_errors,
     find_mismatch,
     find_root_cause,
@@ -35,6 +36,7 @@ from companion.failures import (
     read_flight_records,
     run_ranks,
     sanitize,
+    torchrun_entry,
     torchrun_summary,
     where_stuck,
 )
@@ -100,6 +102,33 @@ Root Cause (first observed failure):
   exitcode  : -9 (pid: 23335)  (SIGKILL)
   error_file: <N/A>
   traceback : Signal 9 (SIGKILL) received by PID 23335
+============================================================
+"""
+# The same kill, when rank 0's @record stamped its own error (gloo lost its
+# peer) a second before torchrun noticed rank 1 was gone: rank 0 takes the root
+# cause. CI saw this once; the stamps are whole seconds.
+KILLED_LATE = """\
+Failures:
+[1]:
+  time      : 2026-11-25_22:41:37
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 23335)  (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 23335
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-25_22:41:36
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 23334)  (SIGTERM)
+  error_file: /tmp/torchelastic_h264k7t0/fe1de6f5_pipf2yr4/attempt_0/0/error.json
+  traceback : Traceback (most recent call last):
+    File "/venv/lib/python3.11/site-packages/torch/_tensor.py", line 630, in backward
+      torch.autograd.backward(
+  RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:547] \
+Connection closed by peer [127.0.0.1]:15529
 ============================================================
 """
 # faulthandler's dumps under torchrun --tee 3 (dump_traceback_later).
@@ -208,6 +237,27 @@ def test_a_killed_worker_has_a_signal_and_no_error_file():
     assert not root.has_error_file
     assert find_root_cause("no summary here") is None
     assert torchrun_summary("no summary here") == ""
+
+
+def test_a_killed_worker_is_found_wherever_the_summary_lists_it():
+    late = find_root_cause(KILLED_LATE)
+    assert (late.rank, late.exitcode, late.others) == (0, -15, {1: -9})
+    for text in (KILLED, KILLED_LATE):
+        killed = find_failures(text)[1]
+        assert (killed.exitcode, killed.signal) == (-9, "SIGKILL")
+        assert not killed.has_error_file
+    shown = (
+        "  time      : <time>\n"
+        "  host      : <host>\n"
+        "  rank      : 1 (local_rank: 1)\n"
+        "  exitcode  : -9 <pid>  (SIGKILL)\n"
+        "  error_file: <N/A>\n"
+        "  traceback : Signal 9 (SIGKILL) received by <pid>"
+    )
+    assert torchrun_entry(KILLED, 1) == torchrun_entry(KILLED_LATE, 1) == shown
+    assert "… RuntimeError: [gloo/" in torchrun_entry(KILLED_LATE, 0)
+    assert find_failures("no summary here") == {}
+    assert torchrun_entry(KILLED, 0) == ""
 
 
 def test_stacks_from_torchrun_tee_and_from_separate_outputs():
