@@ -54,7 +54,15 @@ $(OLDEST)/.installed: requirements.txt requirements-nodeps.txt pyproject.toml
 	sed -e 's/^torch==.*/torch==$(OLDEST_TORCH)/' \
 	    -e 's/^torchvision==.*/torchvision==$(OLDEST_TORCHVISION)/' \
 	    requirements.txt > $(OLDEST)/requirements.txt
-	$(OLDEST)/bin/pip install --quiet -r $(OLDEST)/requirements.txt
+	# torch 2.10 comes from PyPI with its CUDA libraries (about 3 GB to
+	# download): a broken download is resumed 20 times, the install tried 3 times.
+	for attempt in 1 2 3; do \
+	  $(OLDEST)/bin/pip install --quiet --resume-retries 20 \
+	    -r $(OLDEST)/requirements.txt && break; \
+	  [ $$attempt = 3 ] && exit 1; \
+	  echo "pip install failed (attempt $$attempt of 3); trying again in 30 s"; \
+	  sleep 30; \
+	done
 	$(OLDEST)/bin/pip install --quiet --no-deps -r requirements-nodeps.txt
 	$(OLDEST)/bin/pip install --quiet --no-deps --no-build-isolation -e .
 	touch $@
