@@ -44,6 +44,7 @@ def format_time(seconds: float) -> str:
     """Format a duration with a unit that keeps 3 significant digits: ``12.3 ms``."""
     if not math.isfinite(seconds):
         return "n/a"
+    seconds = float(f"{seconds:.3g}")  # 999.7 us rounds to 1 ms, not "1e+03 us"
     for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
         if seconds >= scale:
             return f"{seconds / scale:.3g} {unit}"

@@ -83,6 +83,11 @@ EXAMPLES = {
         "variant  time\n<rule>\n",
         "a -- b\n-1  -2\n",
     ),
+    "table-headers": (
+        "        module   eager\nmodels  loop     vmap\n<rule>\n8  <time>",
+        "        module~eager\nmodels~loop~vmap\n<rule>\n8  <time>",
+        "far  above\nb\nc\nd\n<rule>\nyes  [measured …]\n",
+    ),
     "table-padding": ("<time>     next", "<time>~next", "8       7.58"),
 }
 

@@ -19,6 +19,8 @@ from companion.timing import Benchmark, Timing, benchmark, format_table, format_
         (0.999, "999 ms"),
         (0.0123, "12.3 ms"),
         (1e-3, "1 ms"),
+        (9.997e-4, "1 ms"),  # not "1e+03 us", which widened a table in CI
+        (9.994e-4, "999 us"),
         (4.56e-5, "45.6 us"),
         (1e-6, "1 us"),
         (7e-8, "70 ns"),
