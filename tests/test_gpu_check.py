@@ -38,9 +38,13 @@ def test_without_a_gpu_it_says_so_in_one_sentence():
         )
 
 
-def test_hello_runs_on_two_simulated_gpus_with_nccl():
-    ok, said = gpu_check.run_script("hello_distributed.py", 2, 120, simulate=True)
+def test_hello_runs_on_two_simulated_gpus_with_nccl(tmp_path):
+    log = tmp_path / "hello.log"
+    ok, said = gpu_check.run_script("hello_distributed.py", 2, 120, True, log)
     assert ok and said.startswith("cuda, nccl"), said
+    command, *output = log.read_text().splitlines()
+    assert "--nproc-per-node=2" in command and "hello_distributed.py" in command
+    assert "2 process(es) on cuda: sum = 3" in output
 
 
 @pytest.mark.slow

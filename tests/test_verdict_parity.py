@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import nbformat
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import verdict_parity as vp  # noqa: E402
@@ -77,3 +78,68 @@ def test_the_table_lists_failures_first():
     ]
     lines = vp.table(rows).splitlines()
     assert lines[2].startswith("| ch | 2 | b\\|c |") and "FAILED" in lines[2]
+
+
+def timed_notebook(path, seconds: float, *sources: str) -> None:
+    """A notebook whose stored run took ``seconds``, with one cell per source."""
+    nb = nbformat.v4.new_notebook()
+    for i, source in enumerate(sources or ["pass"]):
+        cell = nbformat.v4.new_code_cell(source)
+        stamp = f"2026-01-01T00:00:{0 if i == 0 else seconds:02.0f}Z"
+        cell.metadata["execution"] = {
+            "iopub.execute_input": "2026-01-01T00:00:00Z",
+            "shell.execute_reply": stamp,
+        }
+        nb.cells.append(cell)
+    nbformat.write(nb, path)
+
+
+def test_streams_balance_the_stored_run_times(tmp_path):
+    paths = []
+    for name, seconds in (("a", 10), ("b", 8), ("c", 3), ("d", 2)):
+        paths.append(tmp_path / f"{name}.ipynb")
+        timed_notebook(paths[-1], seconds, "pass", "pass")
+    assert vp.stored_seconds(paths[0]) == 10
+    groups = vp.streams(paths, 2)
+    assert sorted(p for g in groups for p in g) == paths
+    totals = sorted(sum(vp.stored_seconds(p) for p in g) for g in groups)
+    assert totals == [11, 12]  # 10 + 2 and 8 + 3
+    assert vp.streams(paths, 9) == [[p] for p in sorted(paths, key=vp.stored_seconds,
+                                                        reverse=True)]  # fmt: skip
+
+
+def test_each_stream_gets_its_own_contiguous_cores(monkeypatch):
+    monkeypatch.setattr(vp.os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert vp.core_shares(1) == [None]
+    assert vp.core_shares(4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11],
+                                 [12, 13, 14, 15]]  # fmt: skip
+    with pytest.raises(SystemExit, match="--jobs 17 needs at least 17 cores"):
+        vp.core_shares(17)
+
+
+def test_parallel_streams_run_pinned_kernels_and_keep_each_copy(tmp_path):
+    """Two chapters at once on this machine's cores, one core each; the executed
+    copies are saved, and a verdict that flips still fails the run."""
+    code = ("import os; n = len(os.sched_getaffinity(0)); print('cores:', n)\n"
+            "print(f'✓ it holds: {\"yes\" if n == {n} else \"NO\"}')")  # fmt: skip
+    cores = len(vp.os.sched_getaffinity(0))
+    if cores < 2:
+        pytest.skip("needs two cores")
+    share = cores // 2
+    for name in ("one", "two"):
+        timed_notebook(tmp_path / f"{name}.ipynb", 1, code.replace("{n}", str(share)))
+        nb = nbformat.read(tmp_path / f"{name}.ipynb", as_version=4)
+        nb.cells[0].outputs = [nbformat.v4.new_output(
+            "stream", name="stdout", text="✓ it holds: yes\n")]  # fmt: skip
+        nbformat.write(nb, tmp_path / f"{name}.ipynb")
+    paths = [tmp_path / "one.ipynb", tmp_path / "two.ipynb"]
+    saved, table = tmp_path / "saved", tmp_path / "table.md"
+    args = [*map(str, paths), "--jobs", "2", "--save", str(saved),
+            "--table", str(table)]  # fmt: skip
+    assert vp.main(args) == 0
+    for path in paths:
+        out = nbformat.read(saved / path.name, as_version=4).cells[0].outputs
+        assert out[0]["text"].startswith(f"cores: {share}\n")
+    assert "| one | 0 | it holds | yes | yes | same |" in table.read_text()
+    # unpinned, each kernel sees every core: the verdict flips and the run fails
+    assert vp.main([*map(str, paths), "--table", str(table)]) == 1

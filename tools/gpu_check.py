@@ -2,6 +2,8 @@
 
     python tools/gpu_check.py                 # scripts, chapters, CUDA-only tests
     python tools/gpu_check.py --only scripts  # or: chapters, tests
+    python tools/gpu_check.py --jobs 4 --logs gpu-logs   # 4 at a time, all logs kept
+    python tools/gpu_check.py --only chapters notebooks/12_memory.ipynb  # some chapters
 
 On a machine with CUDA GPUs it
 
@@ -15,7 +17,13 @@ On a machine with CUDA GPUs it
 3. runs the tests that need CUDA (``pytest -m gpu``).
 
 It prints one line per script and chapter and exits with 1 on a crash or an
-unexplained difference. It takes under 15 minutes on one H100. Without a
+unexplained difference. ``--logs DIR`` keeps everything a reader of a
+failure needs: each script's whole output (``DIR/scripts``), each executed
+chapter (``DIR/chapters``, failing cells' tracebacks included), the parity
+table and the tests' output. ``--jobs N`` runs N scripts at once and
+executes the chapters in N streams, each on its own share of the cores
+(``tools/verdict_parity.py``); the streams share the GPU, so a timing
+verdict that flips in such a run is rerun alone before it is believed. Without a
 GPU it says so in one sentence and exits with 2. ``--simulate`` runs step 1
 on a CPU instead, every script on its GPU path under
 ``tests/scripts/simulated_gpu.py`` (two simulated GPUs: nccl and ``cuda:N``
@@ -33,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -71,9 +80,16 @@ def script_runs(gpus: int) -> list[tuple[str, int]]:
 
 
 def run_script(
-    name: str, nproc: int, timeout: float, simulate: bool = False
+    name: str,
+    nproc: int,
+    timeout: float,
+    simulate: bool = False,
+    log: Path | None = None,
 ) -> tuple[bool, str]:
-    """Launch one script under torchrun; return (ok, one line saying how it went)."""
+    """Launch one script under torchrun; return (ok, one line saying how it went).
+
+    ``log``: a file for the script's whole output (stdout, then stderr).
+    """
     with tempfile.TemporaryDirectory() as tmp:
         results = Path(tmp) / "results.json"
         program = [str(SIMULATED_GPU)] if simulate else []
@@ -88,9 +104,13 @@ def run_script(
             proc = subprocess.run(
                 cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp, env=env
             )
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as err:
+            if log:
+                log.write_text(f"{err.stdout or ''}{err.stderr or ''}")
             return False, f"did not finish within {timeout:g} s"
         seconds = time.monotonic() - start
+        if log:
+            log.write_text(f"$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}")
         if proc.returncode != 0:
             lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line]
             return False, f"exit code {proc.returncode}: {lines[-1] if lines else ''}"
@@ -103,51 +123,71 @@ def run_script(
         return True, f"cuda, nccl, {seconds:.0f} s"
 
 
+def run_scripts(
+    gpus: int, timeout: float, jobs: int, simulate: bool, logs: Path | None
+) -> int:
+    """Run every script (``jobs`` at a time), print a line for each; the failures."""
+    if logs:
+        (logs / "scripts").mkdir(parents=True, exist_ok=True)
+    where = "simulated GPU(s)" if simulate else "process(es)"
+
+    def one(run: tuple[str, int]) -> bool:
+        name, nproc = run
+        log = logs / "scripts" / f"{Path(name).stem}-{nproc}.log" if logs else None
+        ok, said = run_script(name, nproc, timeout, simulate=simulate, log=log)
+        print(f"{'ok' if ok else 'FAILED'} {name}, {nproc} {where}: {said}", flush=True)
+        return ok
+
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        return sum(not ok for ok in pool.map(one, script_runs(gpus)))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("notebooks", nargs="*", help="chapters to run (default: all)")
     parser.add_argument("--only", choices=["scripts", "chapters", "tests"])
     parser.add_argument(
         "--simulate", action="store_true", help="the scripts on two simulated GPUs"
     )
     parser.add_argument("--timeout", type=float, default=300, help="seconds per script")
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="scripts or chapters at once"
+    )
+    parser.add_argument("--logs", type=Path, help="a folder for every log")
     args = parser.parse_args(argv)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if args.simulate:
-        failed = 0
-        for name, nproc in script_runs(2):
-            ok, said = run_script(name, nproc, args.timeout, simulate=True)
-            print(f"{'ok' if ok else 'FAILED'} {name}, {nproc} simulated GPU(s): "
-                  f"{said}", flush=True)  # fmt: skip
-            failed += not ok
+        failed = run_scripts(2, args.timeout, args.jobs, True, args.logs)
         return 1 if failed else 0
     if gpus == 0:
         print("make test-gpu needs a CUDA GPU, and this machine has none.")
         return 2
     names = sorted({torch.cuda.get_device_name(i) for i in range(gpus)})
-    print(f"test-gpu: {gpus} x {', '.join(names)}, torch {torch.__version__}")
+    print(f"test-gpu: {gpus} x {', '.join(names)}, torch {torch.__version__}",
+          flush=True)  # fmt: skip
     failed = 0
     if args.only in (None, "scripts"):
-        for name, nproc in script_runs(gpus):
-            ok, said = run_script(name, nproc, args.timeout)
-            print(f"{'ok' if ok else 'FAILED'} {name}, {nproc} process(es): {said}",
-                  flush=True)  # fmt: skip
-            failed += not ok
+        failed += run_scripts(gpus, args.timeout, args.jobs, False, args.logs)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if args.only in (None, "chapters"):
-        failed += (
-            subprocess.run(
-                [sys.executable, ROOT / "tools" / "verdict_parity.py"],
-                env=env,
-                cwd=ROOT,
-            ).returncode
-            != 0
-        )
+        parity = [sys.executable, ROOT / "tools" / "verdict_parity.py",
+                  "--jobs", str(args.jobs), *args.notebooks]  # fmt: skip
+        if args.logs:
+            parity += ["--save", args.logs / "chapters",
+                       "--table", args.logs / "verdict_parity.md"]  # fmt: skip
+        failed += subprocess.run(parity, env=env, cwd=ROOT).returncode != 0
     if args.only in (None, "tests"):
-        failed += subprocess.run(
-            [sys.executable, "-m", "pytest", "tests", "-m", "gpu", "-q"], cwd=ROOT
-        ).returncode not in (0, 5)  # 5: no test collected
+        tests = subprocess.run(
+            [sys.executable, "-m", "pytest", "tests", "-m", "gpu", "-q", "-rA"],
+            cwd=ROOT, capture_output=bool(args.logs), text=True,
+        )  # fmt: skip
+        if args.logs:
+            (args.logs / "pytest.log").write_text(tests.stdout + tests.stderr)
+            print(tests.stdout.strip().splitlines()[-1] if tests.stdout.strip() else
+                  tests.stderr.strip())  # fmt: skip
+        failed += tests.returncode not in (0, 5)  # 5: no test collected
     print("test-gpu:", "FAILED" if failed else "green")
     return 1 if failed else 0
 

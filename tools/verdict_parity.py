@@ -21,7 +21,13 @@ with the stored ones.
 
 It prints one line per chapter, writes a parity table (chapter, cell,
 verdict, stored, here, reason) as Markdown to ``--table``, and exits with 1
-on any failure. Used by ``make test-gpu`` and ``make test-oldest``.
+on any failure. ``--save DIR`` keeps each executed copy (a failing cell's
+output and traceback included). ``--jobs N`` executes the chapters in N
+streams at once, each kernel on its own share of the CPU cores (the streams
+balanced by the stored run's time): faster on a many-core machine, but the
+streams share memory bandwidth and the GPU, so a timing verdict that flips
+in a parallel run is rerun alone before it is believed. Used by ``make
+test-gpu`` and ``make test-oldest``.
 """
 
 from __future__ import annotations
@@ -35,7 +41,9 @@ import sys
 import tempfile
 import time
 import tomllib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import nbformat
@@ -131,11 +139,26 @@ def compare(
     return rows
 
 
-def kernel_manager(python: str, workdir: Path) -> KernelManager:
-    """A kernel manager that starts ``python -m ipykernel_launcher``."""
+# A kernel that first restricts itself to some CPU cores, so that torch's
+# thread pool (sized when torch is imported, later) fits its share.
+PINNED_LAUNCHER = (
+    "import os, runpy, sys; os.sched_setaffinity(0, {cores}); "
+    "sys.argv[0] = 'ipykernel_launcher'; "
+    "runpy.run_module('ipykernel_launcher', run_name='__main__', alter_sys=True)"
+)
+
+
+def kernel_manager(
+    python: str, workdir: Path, cores: list[int] | None = None
+) -> KernelManager:
+    """A kernel manager that starts ``python -m ipykernel_launcher``, on ``cores``."""
     spec = workdir / "kernels" / "course-parity"
     spec.mkdir(parents=True, exist_ok=True)
-    argv = [python, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+    if cores is None:
+        argv = [python, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+    else:
+        code = PINNED_LAUNCHER.format(cores=sorted(cores))
+        argv = [python, "-c", code, "-f", "{connection_file}"]
     (spec / "kernel.json").write_text(
         json.dumps({"argv": argv, "display_name": "parity", "language": "python"})
     )
@@ -144,14 +167,14 @@ def kernel_manager(python: str, workdir: Path) -> KernelManager:
 
 
 def execute(
-    path: Path, python: str, timeout: float
+    path: Path, python: str, timeout: float, cores: list[int] | None = None
 ) -> tuple[nbformat.NotebookNode, str]:
     """Run a copy of the notebook in a fresh kernel; return it and the error, if any."""
     nb = nbformat.read(path, as_version=4)
     with tempfile.TemporaryDirectory() as tmp:
         client = NotebookClient(
             nb,
-            km=kernel_manager(python, Path(tmp)),
+            km=kernel_manager(python, Path(tmp), cores),
             timeout=timeout,
             resources={"metadata": {"path": str(path.parent)}},
         )
@@ -161,6 +184,46 @@ def execute(
             lines = [line for line in str(err).splitlines() if line.strip()]
             return nb, lines[-1] if lines else "a cell raised"
     return nb, ""
+
+
+def stored_seconds(path: Path) -> float:
+    """How long the stored run of a notebook took, from its cells' time stamps."""
+    stamps = [
+        cell.metadata["execution"]
+        for cell in nbformat.read(path, as_version=4).cells
+        if "execution" in cell.get("metadata", {})
+    ]
+    if not stamps:
+        return 0.0
+    start = stamps[0].get("iopub.execute_input")
+    end = stamps[-1].get("shell.execute_reply")
+    if not (start and end):
+        return 0.0
+    parse = datetime.fromisoformat
+    return (parse(end) - parse(start)).total_seconds()
+
+
+def streams(paths: list[Path], jobs: int) -> list[list[Path]]:
+    """Split the notebooks into ``jobs`` streams of about equal stored time."""
+    groups: list[list[Path]] = [[] for _ in range(max(1, min(jobs, len(paths))))]
+    totals = [0.0] * len(groups)
+    for path in sorted(paths, key=stored_seconds, reverse=True):
+        i = totals.index(min(totals))
+        groups[i].append(path)
+        totals[i] += stored_seconds(path)
+    return [sorted(group) for group in groups]
+
+
+def core_shares(jobs: int) -> list[list[int] | None]:
+    """This process's cores in ``jobs`` contiguous shares; ``[None]`` for one job."""
+    if jobs <= 1:
+        return [None]
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < jobs:
+        raise SystemExit(f"--jobs {jobs} needs at least {jobs} cores; there are "
+                         f"{len(cores)}.")  # fmt: skip
+    size = len(cores) // jobs
+    return [cores[i * size : (i + 1) * size] for i in range(jobs)]
 
 
 def probe(python: str) -> Context:
@@ -188,6 +251,42 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def run_chapter(
+    path: Path,
+    args: argparse.Namespace,
+    context: Context,
+    reasons: list[dict],
+    cores: list[int] | None,
+) -> tuple[list[Row], bool]:
+    """Execute one chapter, compare its verdicts, print its line; (rows, failed)."""
+    start = time.monotonic()
+    fresh, error = execute(path, args.python, args.timeout, cores)
+    if args.save:
+        nbformat.write(fresh, args.save / path.name)
+    chapter = path.stem
+    found = compare(
+        chapter, verdicts(nbformat.read(path, as_version=4)), verdicts(fresh),
+        context, reasons,
+    )  # fmt: skip
+    bad = [r for r in found if r.status == "FAILED"]
+    counts = {
+        s: sum(r.status == s for r in found) for s in ("same", "device", "explained")
+    }
+    summary = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+    lines = []
+    if error:
+        lines.append(f"FAILED {chapter}: {error} ({summary})")
+    else:
+        mark = "FAILED" if bad else "ok"
+        lines.append(f"{mark} {chapter}: {summary or 'no verdicts'}, "
+                     f"{len(bad)} unexplained, {time.monotonic() - start:.0f} s")  # fmt: skip
+    lines += [
+        f"    cell {r.cell}: {r.claim}: stored {r.stored}, here {r.here}" for r in bad
+    ]
+    print("\n".join(lines), flush=True)  # one print: streams do not interleave
+    return found, bool(error or bad)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -198,38 +297,32 @@ def main(argv: list[str] | None = None) -> int:
         "--table", type=Path, default=ROOT / "_build" / "verdict_parity.md"
     )
     parser.add_argument("--timeout", type=float, default=900, help="seconds per cell")
+    parser.add_argument("--save", type=Path, help="a folder for the executed copies")
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="chapters executed at once, on shared cores"
+    )
     args = parser.parse_args(argv)
     args.python = os.path.abspath(args.python)  # the kernel starts in notebooks/
     paths = args.notebooks or sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    if args.save:
+        args.save.mkdir(parents=True, exist_ok=True)
     context = probe(args.python)
+    groups, shares = streams(paths, args.jobs), core_shares(args.jobs)
     print(
         f"verdict parity: torch {context.torch}, {'GPU' if context.gpu else 'no GPU'}"
+        + (f", {len(groups)} streams at once" if len(groups) > 1 else "")
     )
-    reasons, rows, failed = load_reasons(), [], 0
-    for path in paths:
-        start = time.monotonic()
-        fresh, error = execute(path, args.python, args.timeout)
-        chapter = path.stem
-        found = compare(
-            chapter, verdicts(nbformat.read(path, as_version=4)), verdicts(fresh),
-            context, reasons,
-        )  # fmt: skip
-        rows += found
-        bad = [r for r in found if r.status == "FAILED"]
-        counts = {
-            s: sum(r.status == s for r in found)
-            for s in ("same", "device", "explained")
-        }
-        summary = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
-        if error:
-            print(f"FAILED {chapter}: {error} ({summary})", flush=True)
-        else:
-            mark = "FAILED" if bad else "ok"
-            print(f"{mark} {chapter}: {summary or 'no verdicts'}, "
-                  f"{len(bad)} unexplained, {time.monotonic() - start:.0f} s", flush=True)  # fmt: skip
-        failed += bool(error or bad)
-        for r in bad:
-            print(f"    cell {r.cell}: {r.claim}: stored {r.stored}, here {r.here}")
+    reasons = load_reasons()
+
+    def run_stream(i: int) -> list[tuple[list[Row], bool]]:
+        cores = shares[i] if len(groups) > 1 else None
+        return [run_chapter(p, args, context, reasons, cores) for p in groups[i]]
+
+    with ThreadPoolExecutor(len(groups)) as pool:
+        done = [result for stream in pool.map(run_stream, range(len(groups)))
+                for result in stream]  # fmt: skip
+    rows = [row for found, _ in done for row in found]
+    failed = sum(bad for _, bad in done)
     args.table.parent.mkdir(parents=True, exist_ok=True)
     args.table.write_text(table(rows))
     print(f"parity table: {args.table}; {failed} chapter(s) failed")
