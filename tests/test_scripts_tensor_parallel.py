@@ -28,6 +28,7 @@ import torch
 from gpt_scripts import (
     check_model_copy,
     on_simulated_gpus,
+    one_process_group,
     reference_losses,
     refusal,
 )
@@ -374,3 +375,37 @@ def test_the_check_runs_on_two_simulated_gpus() -> None:
     out = on_simulated_gpus("checks/tensor_parallel.py", args, nproc=2, timeout=170)
     assert (out["device"], out["backend"]) == ("cuda", "nccl")
     assert out["checks"] == dict.fromkeys(CHECKS_1D, True)
+
+
+@pytest.mark.parametrize("layout", ["tp", "sp"])
+def test_make_adam_steps_a_split_model_with_a_gpus_default_foreach(layout):
+    """The H100 run's crash, on the CPU: CUDA's Adam defaults to ``foreach``,
+    which refuses a group mixing DTensors and plain tensors. With foreach
+    forced here, one group raises as it did there; make_adam's two groups step."""
+    tpg = tensor_parallel_gpt
+    args = tpg.parse_args(["--layout", layout, "--steps", "1"])
+    with one_process_group():
+        mesh = tpg.build_mesh(args, torch.device("cpu"))
+        (x, y), *_ = tpg.global_batches(args, "cpu")
+
+        def split_model() -> torch.nn.Module:
+            model = tpg.build_model(tpg.model_config(args), 0, args.dtype, "cpu")
+            return tpg.parallelize(model, layout, mesh)
+
+        mixed = split_model()
+        one_group = torch.optim.Adam(mixed.parameters(), lr=1e-3, foreach=True)
+        with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):
+            tpg.train_step(mixed, one_group, x, y)
+        model = split_model()
+        optimizer = tpg.make_adam(model, 1e-3)
+        for group in optimizer.param_groups:
+            group["foreach"] = True
+        before = [p.detach().full_tensor().clone() if isinstance(p, tpg.DTensor)
+                  else p.detach().clone() for p in model.parameters()]  # fmt: skip
+        tpg.train_step(model, optimizer, x, y)
+    kinds = [{isinstance(p, tpg.DTensor) for p in g["params"]}
+             for g in optimizer.param_groups]  # fmt: skip
+    assert kinds == [{True}, {False}]
+    after = [p.detach().full_tensor() if isinstance(p, tpg.DTensor) else p.detach()
+             for p in model.parameters()]  # fmt: skip
+    assert all(not torch.equal(a, b) for a, b in zip(before, after))

@@ -252,7 +252,7 @@ def check_block(block: nn.Module, shape: tuple, seed: int) -> dict:
 def train_counted(model: nn.Module, batches: list, lr: float) -> dict:
     """Train with the script's ``train_step``; the losses, each step's collectives
     per phase, the first step's logits and gradients (this rank's tensors)."""
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    optimizer = tpg.make_adam(model, lr)
     out: dict[str, Any] = {"losses": [], "collectives": []}
 
     def first_logits(_module: nn.Module, _inputs: Any, logits: torch.Tensor) -> None:
@@ -549,7 +549,7 @@ def run_2d(args, config, batches, device) -> dict:
     mesh = tpg.build_mesh(args, device)
     model = tpg.build_model(config, args.seed, args.dtype, device)
     model = tpg.parallelize(model, "2d", mesh)
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    optimizer = tpg.make_adam(model, args.lr)
     losses, tic = [], clock()
     for x, y in batches:
         x, y = tpg.local_batch(x, mesh), tpg.local_batch(y, mesh)

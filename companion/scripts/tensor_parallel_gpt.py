@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Replicate, Shard, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, init_device_mesh
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -401,6 +401,23 @@ def local_batch(t: torch.Tensor, mesh) -> torch.Tensor:
     return t.tensor_split(mesh["dp"].size())[mesh["dp"].get_local_rank()]
 
 
+def make_adam(model: nn.Module, lr: float) -> torch.optim.Adam:
+    """Adam over ``model``'s parameters: the DTensors and the plain tensors apart.
+
+    After ``parallelize_module`` the split layers' weights are DTensors and
+    the rest (the embeddings; the LayerNorms without sequence parallelism)
+    plain tensors. On a GPU, Adam's default implementation (``foreach``)
+    updates a group's tensors with one kernel per operation and refuses a
+    group that mixes the two ("got mixed torch.Tensor and DTensor"); on a CPU
+    the default loops over the tensors and never meets it. One group of each
+    works on both.
+    """
+    params = list(model.parameters())
+    split = [p for p in params if isinstance(p, DTensor)]
+    plain = [p for p in params if not isinstance(p, DTensor)]
+    return torch.optim.Adam([{"params": g} for g in (split, plain) if g], lr=lr)
+
+
 def train_step(model: nn.Module, optimizer, x: torch.Tensor, y: torch.Tensor):
     """One Adam step on a batch; its loss, detached."""
     optimizer.zero_grad(set_to_none=True)
@@ -473,7 +490,7 @@ def main() -> None:
     mesh = build_mesh(args, device)
     model = build_model(model_config(args), args.seed, args.dtype, device)
     model = parallelize(model, args.layout, mesh)
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    optimizer = make_adam(model, args.lr)
     losses = []
     for step, (x, y) in enumerate(global_batches(args, device)):
         loss = train_step(model, optimizer, local_batch(x, mesh), local_batch(y, mesh))
