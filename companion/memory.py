@@ -471,6 +471,8 @@ def cuda_memory(device: torch.device | str | int | None = None) -> dict[str, int
 class SnapshotTimeline:
     """Bytes the CUDA caching allocator had allocated and reserved, event by event.
 
+    Allocated bytes are those the tensors asked for (``snapshot_timeline``).
+
     Index 0 is before the first recorded event, index i after event i; each
     phase covers the events ``range(*phases[name])``.
     """
@@ -502,13 +504,19 @@ def snapshot_timeline(
     """Allocated and reserved bytes after each event of a CUDA memory snapshot.
 
     ``snapshot`` is what ``torch.cuda.memory._snapshot()`` returns while
-    ``_record_memory_history`` runs: the segments the allocator holds now, and
-    a trace of its events per device. An ``alloc`` adds a block's bytes and a
-    ``free_completed`` removes them; a ``segment_alloc`` (a ``cudaMalloc``)
-    adds to the reserved bytes and a ``segment_free`` removes. Walking back
-    from the segments' totals gives the values before the first event, so
-    blocks allocated before recording began count too. ``marks`` gives, per
-    phase in order, the number of events recorded when it ended.
+    ``_record_memory_history`` runs: the segments the allocator holds now
+    (each cut into blocks), and a trace of its events per device. An
+    ``alloc`` adds the bytes a tensor asked for and a ``free_completed``
+    removes them; a ``segment_alloc`` (a ``cudaMalloc``) adds to the reserved
+    bytes and a ``segment_free`` removes. The trace records the bytes asked
+    for, not the block's size rounded up to 512 bytes (an H100 run with torch
+    2.11 showed 4,000 for a 1,000-float tensor whose block is 4,096), so the
+    allocated bytes here are the bytes asked for, the same measure as a
+    tensor's ``nbytes``; ``torch.cuda.memory_allocated`` counts whole blocks
+    and is a little larger. Walking back from what the live blocks asked for
+    gives the values before the first event, so blocks allocated before
+    recording began count too. ``marks`` gives, per phase in order, the
+    number of events recorded when it ended.
     """
     trace = snapshot["device_traces"][device_index]
     segments = [
@@ -521,7 +529,13 @@ def snapshot_timeline(
         for e in trace
         for a, r in [steps.get(e["action"], (0, 0))]
     ]
-    allocated = [sum(s["allocated_size"] for s in segments) - sum(a for a, _ in deltas)]
+    asked = sum(
+        b["requested_size"]
+        for s in segments
+        for b in s["blocks"]
+        if b["state"] == "active_allocated"
+    )
+    allocated = [asked - sum(a for a, _ in deltas)]
     reserved = [sum(s["total_size"] for s in segments) - sum(r for _, r in deltas)]
     for a, r in deltas:
         allocated.append(allocated[-1] + a)

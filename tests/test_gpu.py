@@ -67,8 +67,9 @@ def test_ddp_train_on_the_gpu_computes_what_it_computes_on_the_cpu(tmp_path):
 
 
 def test_a_recorded_snapshot_agrees_with_the_allocators_statistics():
-    """The snapshot's walk over events ends where torch.cuda.memory_allocated is,
-    and a tensor made in a phase shows up in it, rounded up to 512 bytes."""
+    """A tensor made in a phase shows up in the snapshot's walk with the bytes
+    it asked for, and freeing it brings the walk back where it began; the
+    allocator's own statistics count its block, rounded up to 512 bytes."""
     from companion.memory import cuda_memory, record_snapshot
 
     kept = {}
@@ -79,8 +80,10 @@ def test_a_recorded_snapshot_agrees_with_the_allocators_statistics():
         }
     )
     after = cuda_memory()
-    assert timeline.allocated[-1] == after["allocated"]
     assert timeline.reserved[-1] == after["reserved"]
-    made = timeline.at_end_of("make") - timeline.allocated[0]
-    assert made == 4096  # 4000 bytes in 512-byte blocks
+    assert timeline.at_end_of("make") - timeline.allocated[0] == 4000  # 1,000 floats
+    assert timeline.allocated[-1] == timeline.allocated[0]
+    assert timeline.allocated[-1] <= after["allocated"]  # whole blocks
     assert timeline.peak_phase() == "make"
+    kept["t"] = torch.empty(1000, device="cuda")
+    assert cuda_memory()["allocated"] - after["allocated"] == 4096  # a 512-byte block

@@ -316,7 +316,9 @@ def synthetic_snapshot() -> tuple[dict, dict[str, int]]:
 
     One 2 MiB segment existed before recording, with 1 KiB allocated (the
     parameters); forward allocates 4 KiB and a new 20 MiB segment, backward
-    frees 3 KiB and allocates 2 KiB, the step frees 1 KiB.
+    frees 3 KiB and allocates 2 KiB, the step frees 1 KiB. At the end the
+    live block asked for 3 KiB and holds 3 KiB + 512 (the allocator rounds);
+    a cached block remembers what its last tensor asked for.
     """
     mib, kib = 2**20, 2**10
     trace = [
@@ -328,11 +330,19 @@ def synthetic_snapshot() -> tuple[dict, dict[str, int]]:
         {"action": "alloc", "addr": 2, "size": 2 * kib},
         {"action": "free_completed", "addr": 3, "size": 1 * kib},
     ]
+
+    def block(size: int, asked: int, state: str = "active_allocated") -> dict:
+        return {"size": size, "requested_size": asked, "state": state}
+
+    live, cached = block(3 * kib + 512, 3 * kib), block(kib, 1000, "inactive")
     segments = [
-        {"device": 0, "total_size": 2 * mib, "allocated_size": 3 * kib},
-        {"device": 0, "total_size": 20 * mib, "allocated_size": 0},
-        {"device": 1, "total_size": 2 * mib, "allocated_size": 2 * mib},
-    ]
+        {"device": 0, "total_size": 2 * mib, "allocated_size": 3 * kib + 512,
+         "blocks": [live, cached, block(2 * mib - 4 * kib - 512, 0, "inactive")]},
+        {"device": 0, "total_size": 20 * mib, "allocated_size": 0,
+         "blocks": [block(20 * mib, 0, "inactive")]},
+        {"device": 1, "total_size": 2 * mib, "allocated_size": 2 * mib,
+         "blocks": [block(2 * mib, 2 * mib)]},
+    ]  # fmt: skip
     snapshot = {"segments": segments, "device_traces": [trace, []]}
     return snapshot, {"forward": 3, "backward": 6, "optimizer step": 7}
 
@@ -351,7 +361,7 @@ def test_a_snapshot_becomes_allocated_and_reserved_bytes_per_event() -> None:
     }
     assert timeline.peak() == 5 * kib and timeline.peak_phase() == "forward"
     assert timeline.at_end_of("backward") == 4 * kib
-    assert timeline.at_end_of("optimizer step") == 3 * kib  # the segments' total
+    assert timeline.at_end_of("optimizer step") == 3 * kib  # what the live block asked
 
 
 def test_recording_a_snapshot_counts_the_events_of_each_phase(monkeypatch) -> None:
