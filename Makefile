@@ -9,7 +9,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: book test test-slow test-portable test-browser test-gpu test-oldest unit notebooks execute doctor clean
+.PHONY: book test test-slow test-portable test-browser test-gpu test-oldest flake-hunt unit notebooks execute doctor clean
 
 $(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -78,6 +78,15 @@ test-oldest: $(STAMP) $(OLDEST)/.installed
 test-browser: $(STAMP)
 	$(BIN)/jupyter-book build . -W -n --keep-going > /dev/null
 	$(BIN)/python tools/browser_check.py
+
+# Every chapter under hostile conditions (a busy core, one thread on the scalar
+# kernels, twice as many threads as cores), ROUNDS times; the cells whose
+# compared output changed, with their diffs, go to tools/flake_report.md
+# (tools/flake_hunt.py). Run it before committing stored outputs; about half an
+# hour per round on 2 cores. Limit it with NB=notebooks/06_*.ipynb.
+ROUNDS ?= 3
+flake-hunt: $(STAMP)
+	$(BIN)/python tools/flake_hunt.py --rounds $(ROUNDS) $(NB)
 
 unit: $(STAMP)
 	$(BIN)/pytest tests
