@@ -190,21 +190,20 @@ def main(argv: list[str] | None = None) -> int:
     start, changes = time.monotonic(), []
     for round_ in range(1, args.rounds + 1):
         for condition in conditions:
-            t = time.monotonic()
-            found = []
+            t, found = time.monotonic(), []
             with busy_core(condition == "busy"):
-                for group in (sorted(set(notebooks) - compiled), sorted(compiled)):
-                    if group:
-                        env = condition_env(condition, group[0] in compiled)
-                        found += run_nbval(group, env)
+                for notebook in notebooks:  # one at a time: the report grows as it goes
+                    env = condition_env(condition, notebook in compiled)
+                    changed = run_nbval([notebook], env)
+                    found += changed
+                    for nb, cell, _ in changed:
+                        print(f"    {nb} {cell}", flush=True)
             changes += [Change(round_, condition, *f) for f in found]
             print(f"round {round_}, {condition}: {len(found)} cell(s) changed, "
                   f"{time.monotonic() - t:.0f} s", flush=True)  # fmt: skip
-            for notebook, cell, _ in found:
-                print(f"    {notebook} {cell}", flush=True)
-    args.report.write_text(
-        report(changes, args.rounds, conditions, notebooks, time.monotonic() - start)
-    )
+            # after every condition, so that an interrupted hunt leaves its findings
+            args.report.write_text(report(changes, args.rounds, conditions, notebooks,
+                                          time.monotonic() - start))  # fmt: skip
     print(f"report: {args.report}; {len(changes)} change(s)")
     return 1 if changes else 0
 
