@@ -67,19 +67,17 @@ def test_the_report_lists_each_change_with_its_diff():
 
 
 def test_a_busy_core_is_busy_while_the_block_runs():
-    """A spinning child exists, and uses CPU, only inside the block (how much CPU
+    """The spinner uses CPU inside the block and is gone after it (how much CPU
     it gets depends on the machine's load, so only "some" is asserted)."""
-    me = psutil.Process()
-    before = set(me.children())
-    with fh.busy_core(True):
-        (spinner,) = set(me.children()) - before
+    with fh.busy_core(True) as spinner:
+        process = psutil.Process(spinner.pid)
         deadline = time.monotonic() + 30
-        while spinner.cpu_times().user == 0 and time.monotonic() < deadline:
+        while process.cpu_times().user == 0 and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert spinner.cpu_times().user > 0
-    assert not spinner.is_running()
-    with fh.busy_core(False):
-        assert set(me.children()) == before
+        assert process.cpu_times().user > 0
+    assert not spinner.is_alive()
+    with fh.busy_core(False) as nothing:
+        assert nothing is None
 
 
 def test_bad_arguments_are_refused_before_any_run(capsys):

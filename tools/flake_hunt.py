@@ -85,15 +85,15 @@ def _spin() -> None:
 
 
 @contextlib.contextmanager
-def busy_core(on: bool) -> Iterator[None]:
-    """Keep one core busy (a spinning process) while the block runs."""
+def busy_core(on: bool) -> Iterator[multiprocessing.Process | None]:
+    """Keep one core busy (a spinning process, yielded) while the block runs."""
     if not on:
-        yield
+        yield None
         return
     spinner = multiprocessing.get_context("spawn").Process(target=_spin, daemon=True)
     spinner.start()
     try:
-        yield
+        yield spinner
     finally:
         spinner.terminate()
         spinner.join()
