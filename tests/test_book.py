@@ -87,6 +87,21 @@ def test_notebook_follows_the_skeleton(nb):
 
 
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_named_figure_is_referred_to_in_the_text(nb):
+    """A figure with a name (its cell's ``mystnb.figure.name``) is referred to with
+    ``{numref}`` where the text draws its lesson; one nobody refers to is left
+    for the reader to interpret alone."""
+    names = [
+        c["metadata"]["mystnb"]["figure"]["name"]
+        for c in cells(nb)
+        if "name" in c["metadata"].get("mystnb", {}).get("figure", {})
+    ]
+    prose = "\n".join(text(c) for c in cells(nb) if c["cell_type"] == "markdown")
+    unreferenced = [n for n in names if f"{{numref}}`{n}`" not in prose]
+    assert not unreferenced, f"{nb.name}: no {{numref}} refers to {unreferenced}"
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_is_stored_executed_without_errors(nb):
     data = json.loads(nb.read_text())
     assert data["metadata"]["kernelspec"]["name"] == "python3"
