@@ -1,8 +1,9 @@
 """Launch companion/scripts/ddp_train.py for real, in several processes on this machine.
 
-- parity: 2 processes (srun's environment; torchrun and mp.spawn in make
-  test-slow) end with the parameters of 1 process on the same global batch
-  (float64, 1e-12), and on the simulated GPU path (nccl, cuda) too;
+- parity: 2 processes (srun's environment with a simulated GPU per task;
+  torchrun, mp.spawn and srun on the CPU in make test-slow) end with the
+  parameters of 1 process on the same global batch (float64, 1e-12), and one
+  process on the simulated GPU path (nccl, cuda) too;
 - checkpoints: atomic, pruned by step, refused when the settings changed, and
   a run that resumes ends bit for bit where an uninterrupted one ends;
 - fault tolerance (slow): a worker killed mid-training under ``torchrun
@@ -272,26 +273,38 @@ def test_the_log_gathers_losses_every_n_steps(tmp_path):
     assert float(logged[-1][1]) == pytest.approx(results["losses"][-1], abs=1e-4)
 
 
-def test_srun_tasks_match_one_process(one_process, tmp_path):
+def test_srun_tasks_with_a_gpu_each_match_one_process(one_process, tmp_path):
+    """``srun --ntasks-per-node=2 --gpus-per-task=1`` on simulated GPUs: each task
+    sees its own GPU as cuda:0 while ``SLURM_LOCALID`` is 0 and 1, so DDP must
+    be told the device, not the local rank (it was told cuda:1 once)."""
     tag, port = uuid.uuid4().hex, free_port()
-    cmd = [sys.executable, SCRIPT, *TINY, "--checkpoint-dir", tmp_path / "ckpt",
-           "--results", tmp_path / "results.json"]  # fmt: skip
-    procs = [start(cmd, tag, srun_env(r, port)) for r in range(2)]
-    assert [code for code, _, _ in finish(procs, tag)] == [0, 0]
+    cmd = [sys.executable, SIMULATED_GPU, SCRIPT, *TINY, "--checkpoint-dir",
+           tmp_path / "ckpt", "--results", tmp_path / "results.json"]  # fmt: skip
+    gpus = {"SIMULATED_GPUS": "2"}  # the node's; each task sees one of them
+    procs = [start(cmd, tag, {**srun_env(r, port), **gpus,
+                              "CUDA_VISIBLE_DEVICES": str(r)}) for r in range(2)]  # fmt: skip
+    outcomes = finish(procs, tag)
+    assert [code for code, _, _ in outcomes] == [0, 0], outcomes
     results = json.loads((tmp_path / "results.json").read_text())
-    assert results["world_size"] == 2 and [r["rank"] for r in results["ranks"]] == [
-        0,
-        1,
-    ]
+    assert [(r["rank"], r["local_rank"], r["device"]) for r in results["ranks"]] == [
+        (0, 0, "cuda"), (1, 1, "cuda")]  # fmt: skip
+    assert results["backend"] == "nccl" and results["world_size"] == 2
     assert max_difference(final_params(results), final_params(one_process)) < TOL
     assert results["losses"] == pytest.approx(one_process["losses"], abs=TOL)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["torchrun", "mp.spawn"])
+@pytest.mark.parametrize("launcher", ["torchrun", "mp.spawn", "srun"])
 def test_two_processes_match_one(launcher, one_process, request, tmp_path):
     if launcher == "torchrun":
         results = request.getfixturevalue("two_processes")
+    elif launcher == "srun":
+        tag, port = uuid.uuid4().hex, free_port()
+        cmd = [sys.executable, SCRIPT, *TINY, "--checkpoint-dir", tmp_path / "ckpt",
+               "--results", tmp_path / "results.json"]  # fmt: skip
+        procs = [start(cmd, tag, srun_env(r, port)) for r in range(2)]
+        assert [code for code, _, _ in finish(procs, tag)] == [0, 0]
+        results = json.loads((tmp_path / "results.json").read_text())
     else:
         results, _ = train([sys.executable, SCRIPT, *TINY, "--spawn", "2"], tmp_path)
     assert results["world_size"] == 2 and results["threads"] == 1

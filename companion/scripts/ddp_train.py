@@ -243,7 +243,7 @@ def train(args: argparse.Namespace) -> None:
             f"batch {global_batch}; "
             + (f"resuming at step {step}" if state else "new run")
         )
-    ddp = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    ddp = DDP(model, device_ids=[device] if device.type == "cuda" else None)
     pending: list[torch.Tensor] = []  # this rank's losses, still on the device
 
     def gather_losses() -> None:
