@@ -143,3 +143,8 @@ def test_every_script_runs_on_the_gpus_of_every_launch(
     results, output = run_on_simulated_gpus(topology, script, args, tmp_path)
     assert (results["device"], results["backend"]) == ("cuda", "nccl"), output
     assert results["world_size"] == (1 if topology == "python" else 2)
+
+
+def test_every_script_has_tiny_settings_here():
+    scripts = {p.name for p in SCRIPTS.glob("*.py") if p.name != "__init__.py"}
+    assert set(TINY) == scripts, "give a new script its few steps in TINY"
