@@ -13,7 +13,7 @@ another process of its node. The topologies:
 - ``torchrun``: ``--nproc-per-node=2`` on a node with 2 GPUs;
 - ``srun-gpu-per-task``: ``srun --ntasks-per-node=2 --gpus-per-task=1``, each
   task sees its own GPU (``CUDA_VISIBLE_DEVICES`` its index) as ``cuda:0``,
-  and ``SLURM_LOCALID`` is 0 and 1 (``ddp_train.py`` told DDP ``cuda:1``);
+  and ``SLURM_LOCALID`` is 0 and 1;
 - ``srun-every-gpu``: ``srun --ntasks-per-node=2`` with both GPUs of the node
   visible to each task;
 - ``visible-subset``: ``CUDA_VISIBLE_DEVICES=1,3 torchrun --nproc-per-node=2``
@@ -21,10 +21,11 @@ another process of its node. The topologies:
 - ``two-nodes``: two torchrun agents (one GPU each) meeting at a c10d
   rendezvous on 127.0.0.1, as ``ddp_train.sbatch`` starts them.
 
-About 72 launches of 5 to 20 s each: all in ``make test-slow``. ``make test``
-runs the topology that hid a bug (``srun-gpu-per-task``) for ``ddp_train.py``
-in tests/test_scripts_ddp_train.py, and the set-up block's choice for each
-topology in tests/test_scripts.py.
+72 launches, 39 minutes on a busy 2-core machine (load about 11): all in
+``make test-slow``. ``make test`` runs the topology that hid a bug
+(``srun-gpu-per-task``: ``ddp_train.py`` told DDP ``cuda:LOCAL_RANK``) for
+``ddp_train.py`` in tests/test_scripts_ddp_train.py, and the set-up block's
+choice for each topology, in-process, in tests/test_scripts.py.
 """
 
 from __future__ import annotations
