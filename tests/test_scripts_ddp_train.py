@@ -509,6 +509,14 @@ def matches(quote: str, sentence: str) -> bool:
     return re.fullmatch(pattern, sentence) is not None
 
 
+@pytest.mark.slow
+def test_a_bad_launch_under_mp_spawn_is_one_sentence_and_exit_code_2():
+    code, out, err = run([sys.executable, SCRIPT, "--spawn", "2",
+                          "--global-batch-size", "33"])  # fmt: skip
+    assert code == 2 and "Traceback" not in out + err, out + err
+    assert one_sentence(code, err).startswith("the global batch (33) does not split")
+
+
 def test_the_cluster_page_quotes_a_sentence_for_each_cause_the_tests_provoke():
     assert list(quoted()) == list(CAUSES)
     assert matches("a ... c ...", "a b c d") and not matches("a ... c", "a b c d")
