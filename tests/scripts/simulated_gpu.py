@@ -100,7 +100,8 @@ def _is_gpu(place: str | None) -> bool:
 
 def gpu_place(device: str | torch.device | int | None) -> str:
     """``cuda:N`` for a device that names GPU N, or the current GPU; refuse an unseen one."""
-    index = device if isinstance(device, int) else torch.device(device or "cuda").index
+    named = isinstance(device, (str, torch.device))
+    index = torch.device(device).index if named else device  # an int, or None
     index = _current["index"] if index is None else index
     if not 0 <= index < len(_visible):
         raise SimulationError(
