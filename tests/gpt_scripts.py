@@ -106,4 +106,8 @@ def on_simulated_gpus(program: str, args: list, nproc: int, timeout: float) -> d
     go through gloo, and a CPU tensor in a collective or beside a GPU tensor
     raises what CUDA or nccl would."""
     path = Path(__file__).resolve().parents[1] / "companion" / program
-    return launch(SIMULATED_GPU, [path, *args], nproc=nproc, timeout=timeout)
+    gpus = ",".join(map(str, range(nproc)))  # launch hides this machine's (no) GPUs
+    return launch(
+        SIMULATED_GPU, [path, *args], nproc=nproc, timeout=timeout,
+        env={"CUDA_VISIBLE_DEVICES": gpus},
+    )  # fmt: skip

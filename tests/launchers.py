@@ -4,7 +4,8 @@
 its own environment before it sets them for a case. ``free_port``: a port
 for a rendezvous. ``two_agents``: a script (or a check) under two torchrun
 agents that meet at a c10d rendezvous on 127.0.0.1, one process each: two
-"nodes" on one machine.
+"nodes" on one machine. ``one_sentence_under_torchrun``: a bad launch under
+torchrun, and what a reader sees of it.
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ from pathlib import Path
 
 from companion.launch import script_path
 
+ROOT_CAUSE = "Root Cause (first observed failure):"
+SIMULATED_GPU = Path(__file__).parent / "scripts" / "simulated_gpu.py"
+
 LAUNCHER = (
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-    "MASTER_PORT", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS",
-    "SLURM_NTASKS_PER_NODE",
+    "MASTER_PORT", "GROUP_RANK", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS",
+    "SLURM_NTASKS_PER_NODE", "SLURM_NODEID",
 )  # fmt: skip
 
 
@@ -63,3 +67,35 @@ def two_agents(script: str, args: list, tmp_path: Path) -> dict:
         codes = [p.wait(timeout=200) for p in procs]
     assert codes == [0, 0], [(tmp_path / f"agent{n}.log").read_text() for n in (0, 1)]
     return json.loads(results.read_text())
+
+
+def one_sentence_under_torchrun(
+    script: str, args: list, nproc: int, gpus: dict[str, str] | None = None
+) -> str:
+    """Launch ``script`` with bad input under torchrun; return the sentence it said.
+
+    What a reader sees is checked: the sentence once, no traceback but
+    torchrun's own, and torchrun's failure summary naming it, with exit code
+    2, as the root cause. ``gpus``: run on simulated GPUs, with these
+    variables (``SIMULATED_GPUS``, ``CUDA_VISIBLE_DEVICES``); else on the CPU.
+    """
+    simulated = [str(SIMULATED_GPU)] if gpus is not None else []
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={nproc}", *simulated, str(script_path(script)),
+        *map(str, args),
+    ]  # fmt: skip
+    env = clean_environment(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    env.update(gpus or {})
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=200)
+    output = done.stdout + done.stderr
+    said = [
+        line for line in output.splitlines() if line.startswith(f"{script}: error:")
+    ]
+    assert done.returncode == 1 and len(said) == 1, output
+    assert output.count("Traceback (most recent call last)") == 1, output  # torchrun's
+    sentence = said[0].removeprefix(f"{script}: error: ")
+    root_cause = output.split(ROOT_CAUSE)[1]
+    assert "exitcode  : 2" in root_cause, output
+    assert f"traceback : {sentence}\n" in root_cause, output
+    return sentence

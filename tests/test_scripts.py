@@ -6,8 +6,11 @@ identical, count the lines, and check the block's decisions for the launches
 a reader makes: torchrun, srun, plain python, with and without GPUs (the GPUs
 faked: ``torch.cuda.device_count`` and ``init_process_group`` are replaced,
 so nothing starts), and for real on this machine: a missing rank and a busy
-port end in one sentence, and torchrun's failure summary names the root cause
-because ``main`` carries ``@record``.
+port end in one sentence, and a bad flag under torchrun is one sentence,
+said once (by rank 0; the others wait for torchrun to stop them), which
+torchrun's failure summary names as the root cause (``fail`` writes the error
+file that ``@record`` would, less the traceback; ``@record`` still records a
+crash).
 """
 
 from __future__ import annotations
@@ -19,12 +22,23 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from launchers import LAUNCHER, clean_environment, free_port, two_agents
+from launchers import (
+    LAUNCHER,
+    clean_environment,
+    free_port,
+    one_sentence_under_torchrun,
+    two_agents,
+)
+from torch.distributed.elastic.multiprocessing.errors import (
+    ChildFailedError,
+    ProcessFailure,
+)
 from torch.torch_version import TorchVersion
 
 from companion.scripts import hello_distributed
@@ -119,6 +133,7 @@ def decide(monkeypatch):
         monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
         monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
         chosen: dict = {}
+        monkeypatch.setattr(time, "sleep", lambda s: chosen.update(waited=s))
 
         def init_process_group(backend, **kwargs):
             chosen.update(backend=backend, **kwargs)
@@ -176,10 +191,25 @@ def test_torchrun_with_a_gpu_per_process_uses_nccl(decide, rank):
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_too_few_gpus_is_refused_on_every_rank(decide, capsys, rank):
+    """Rank 0 says it at once; rank 1 waits for torchrun to stop it, then says it."""
     chosen = decide(torchrun(rank, 2), gpus=1)
-    assert chosen == {"exit_code": 2}
+    assert chosen == ({"exit_code": 2, "waited": 30} if rank else {"exit_code": 2})
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "this node has 1 GPU(s) for 2 processes" in err
+
+
+def test_a_failure_is_the_root_cause_in_torchruns_summary(monkeypatch, tmp_path):
+    """What ``fail`` writes is what torchrun's agent reads and prints as it is."""
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    with pytest.raises(SystemExit):
+        hello_distributed.fail("3 processes do not divide dim 3 (256).")
+    failure = ProcessFailure(
+        local_rank=0, pid=1, exitcode=2, error_file=str(error_file)
+    )
+    summary = ChildFailedError("script.py", {0: failure}).format_msg()
+    assert "traceback : 3 processes do not divide dim 3 (256).\n" in summary
+    assert failure.timestamp == pytest.approx(time.time(), abs=5)
 
 
 @pytest.mark.parametrize("rank", [0, 1, 2, 3])
@@ -236,6 +266,11 @@ def test_a_busy_port_is_one_sentence():
         proc = run_hello({**torchrun(0, 2), "MASTER_PORT": str(port)}, "--timeout", "2")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith("hello_distributed.py: error: the processes did not")
+
+
+def test_a_bad_flag_under_torchrun_is_one_sentence_and_the_root_cause():
+    said = one_sentence_under_torchrun("hello_distributed.py", ["--timeout", "x"], 2)
+    assert said == "argument --timeout: invalid float value: 'x'"
 
 
 # ------------------------------------------------- launchers, for real, slow

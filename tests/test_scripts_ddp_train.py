@@ -1,17 +1,21 @@
 """Launch companion/scripts/ddp_train.py for real, in several processes on this machine.
 
-- parity: 2 processes (srun's environment; torchrun and mp.spawn in make
-  test-slow) end with the parameters of 1 process on the same global batch
-  (float64, 1e-12), and on the simulated GPU path (nccl, cuda) too;
+- parity: 2 processes (srun's environment with a simulated GPU per task;
+  torchrun, mp.spawn and srun on the CPU in make test-slow) end with the
+  parameters of 1 process on the same global batch (float64, 1e-12), and one
+  process on the simulated GPU path (nccl, cuda) too;
 - checkpoints: atomic, pruned by step, refused when the settings changed, and
   a run that resumes ends bit for bit where an uninterrupted one ends;
 - fault tolerance (slow): a worker killed mid-training under ``torchrun
   --max-restarts=1`` is restarted and the run ends exactly where an
   uninterrupted run ends;
 - several nodes (slow): two torchrun agents train together as two nodes;
-- bad input: one sentence on stderr, exit code 2, nothing left running;
+- bad input: one sentence on stderr, exit code 2, nothing left running: each
+  cause in the table of book/cluster.md is provoked, and the script says what
+  the page quotes (the two-node cause in make test-slow);
 - the SLURM batch file and the book's cluster page name only files that exist,
-  and the batch file trains when run with stand-ins for ``srun`` and ``scontrol``.
+  the page only flags that the script, torchrun or the batch file take, and
+  the batch file trains when run with stand-ins for ``srun`` and ``scontrol``.
 
 Every launch is tiny (24 steps of a small MLP); the processes are the cost.
 """
@@ -32,7 +36,8 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from launchers import LAUNCHER, free_port
+from launchers import LAUNCHER, free_port, one_sentence_under_torchrun
+from torch.distributed.run import get_args_parser
 
 from companion.scripts import ddp_train
 
@@ -116,9 +121,11 @@ def finish(procs: list[subprocess.Popen], tag: str, timeout: float = 180) -> lis
     return out
 
 
-def run(cmd: list, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+def run(
+    cmd: list, env: dict[str, str] | None = None, cwd: Path = ROOT
+) -> tuple[int, str, str]:
     tag = uuid.uuid4().hex
-    return finish([start(cmd, tag, env)], tag)[0]
+    return finish([start(cmd, tag, env, cwd)], tag)[0]
 
 
 def train(
@@ -272,26 +279,39 @@ def test_the_log_gathers_losses_every_n_steps(tmp_path):
     assert float(logged[-1][1]) == pytest.approx(results["losses"][-1], abs=1e-4)
 
 
-def test_srun_tasks_match_one_process(one_process, tmp_path):
+def test_srun_tasks_with_a_gpu_each_match_one_process(one_process, tmp_path):
+    """``srun --ntasks-per-node=2 --gpus-per-task=1`` on simulated GPUs: each task
+    sees its own GPU as cuda:0 while ``SLURM_LOCALID`` is 0 and 1, so DDP must
+    be told the device, not the local rank (it was told cuda:1 once)."""
     tag, port = uuid.uuid4().hex, free_port()
-    cmd = [sys.executable, SCRIPT, *TINY, "--checkpoint-dir", tmp_path / "ckpt",
-           "--results", tmp_path / "results.json"]  # fmt: skip
-    procs = [start(cmd, tag, srun_env(r, port)) for r in range(2)]
-    assert [code for code, _, _ in finish(procs, tag)] == [0, 0]
+    cmd = [sys.executable, SIMULATED_GPU, SCRIPT, *TINY, "--checkpoint-dir",
+           tmp_path / "ckpt", "--results", tmp_path / "results.json"]  # fmt: skip
+    gpus = {"SIMULATED_GPUS": "2"}  # the node's; each task sees one of them
+    procs = [start(cmd, tag, {**srun_env(r, port), **gpus,
+                              "CUDA_VISIBLE_DEVICES": str(r)})
+             for r in range(2)]  # fmt: skip
+    outcomes = finish(procs, tag)
+    assert [code for code, _, _ in outcomes] == [0, 0], outcomes
     results = json.loads((tmp_path / "results.json").read_text())
-    assert results["world_size"] == 2 and [r["rank"] for r in results["ranks"]] == [
-        0,
-        1,
-    ]
+    assert [(r["rank"], r["local_rank"], r["device"]) for r in results["ranks"]] == [
+        (0, 0, "cuda"), (1, 1, "cuda")]  # fmt: skip
+    assert results["backend"] == "nccl" and results["world_size"] == 2
     assert max_difference(final_params(results), final_params(one_process)) < TOL
     assert results["losses"] == pytest.approx(one_process["losses"], abs=TOL)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["torchrun", "mp.spawn"])
+@pytest.mark.parametrize("launcher", ["torchrun", "mp.spawn", "srun"])
 def test_two_processes_match_one(launcher, one_process, request, tmp_path):
     if launcher == "torchrun":
         results = request.getfixturevalue("two_processes")
+    elif launcher == "srun":
+        tag, port = uuid.uuid4().hex, free_port()
+        cmd = [sys.executable, SCRIPT, *TINY, "--checkpoint-dir", tmp_path / "ckpt",
+               "--results", tmp_path / "results.json"]  # fmt: skip
+        procs = [start(cmd, tag, srun_env(r, port)) for r in range(2)]
+        assert [code for code, _, _ in finish(procs, tag)] == [0, 0]
+        results = json.loads((tmp_path / "results.json").read_text())
     else:
         results, _ = train([sys.executable, SCRIPT, *TINY, "--spawn", "2"], tmp_path)
     assert results["world_size"] == 2 and results["threads"] == 1
@@ -378,40 +398,139 @@ def test_two_torchrun_agents_train_as_two_nodes(two_processes, tmp_path):
 
 
 # ---------------------------------------------------------------- bad input
+# Each cause in the cluster page's table, provoked: the page quotes what the
+# script says, and these tests check that it says so.
 
 
-def one_sentence(code: int, stderr: str) -> str:
-    """The error every failing rank printed: the same sentence, no traceback before it."""
+def one_sentence(code: int, output: str) -> str:
+    """What every failing rank said: one sentence, no traceback before it."""
     errors = {
-        line for line in stderr.splitlines() if line.startswith("ddp_train.py: error:")
+        line.removeprefix("ddp_train.py: error: ")
+        for line in output.splitlines()
+        if line.startswith("ddp_train.py: error: ")
     }
-    assert code != 0 and len(errors) == 1, stderr
-    assert "Traceback" not in stderr.split("ddp_train.py: error:")[0]
+    assert code != 0 and len(errors) == 1, output
+    assert "Traceback" not in output.split("ddp_train.py: error:")[0]
     return errors.pop()
 
 
-def test_a_busy_port_is_one_sentence():
+def alone(args: list, env: dict | None = None, cwd: Path = ROOT) -> str:
+    """Run one process with ``args``; return its sentence (exit code 2, one line)."""
+    code, stdout, stderr = run([sys.executable, SCRIPT, *args], env, cwd)
+    assert code == 2 and stderr.count("\n") == 1, stdout + stderr
+    return one_sentence(code, stderr)
+
+
+def busy_port(tmp_path: Path) -> str:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         sock.listen()
-        port = sock.getsockname()[1]
-        code, _, stderr = run([sys.executable, SCRIPT, "--steps", "1", "--timeout", "5"],
-                              srun_env(0, port))  # fmt: skip
-    assert "the processes did not meet" in one_sentence(code, stderr)
+        return alone(["--timeout", "5"], srun_env(0, sock.getsockname()[1]))
 
 
-def test_a_corrupt_checkpoint_is_one_sentence(tmp_path):
-    (tmp_path / "step-000010.pt").write_bytes(b"PK\x03\x04 not a whole checkpoint")
-    code, _, stderr = run([sys.executable, SCRIPT, "--steps", "1", "--checkpoint-dir",
-                           tmp_path])  # fmt: skip
-    assert "cannot load" in one_sentence(code, stderr) and code == 2
+def checkpoint(tmp_path: Path, content: dict, cut: bool = False) -> Path:
+    """``tmp_path/ckpt/step-000010.pt`` holding ``content``, its first half if
+    ``cut``; return the folder to run in."""
+    (tmp_path / "ckpt").mkdir()
+    path = tmp_path / "ckpt" / "step-000010.pt"
+    torch.save(content, path)
+    if cut:  # as a full disk or a killed copy leaves it
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    return tmp_path
+
+
+def folders_not_shared(tmp_path: Path) -> str:
+    """A relative --checkpoint-dir on two nodes: each has its own folder, and only
+    node 0's holds a checkpoint. Training apart would go wrong silently."""
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for node in nodes:
+        node.mkdir()
+    code, _, err = run([*TORCHRUN, "--nproc-per-node=1", SCRIPT, *TINY, "--steps",
+                        "8", "--checkpoint-dir", nodes[0] / "ckpt"])  # fmt: skip
+    assert code == 0, err
+    tag, port = uuid.uuid4().hex, free_port()
+    command = two_nodes_command(port, ["--checkpoint-dir", "ckpt"])
+    outcomes = finish([start(command, tag, cwd=node) for node in nodes], tag)
+    outputs = [out + err for _, out, err in outcomes]
+    assert all(code != 0 for code, _, _ in outcomes), outputs
+    # Rank 0 says it; the other node's agent loses the rendezvous as rank 0's
+    # stops, and ends its worker before that worker's wait is over.
+    said = {one_sentence(1, out) for out in outputs if "ddp_train.py: error:" in out}
+    assert len(said) == 1, outputs
+    sentence = said.pop()
+    assert "[0, 8]" in sentence or "[8, 0]" in sentence
+    return sentence
+
+
+SETTINGS = {"global_batch_size": 64, "lr": 0.1, "seed": 0, "samples": 2048,
+            "dtype": "float32", "steps": 200}  # the defaults, but for lr  # fmt: skip
+CAUSES = {
+    "a flag it does not know, or a bad value": lambda tmp: alone(["--lr", "fast"]),
+    "`--global-batch-size 33` with 2 processes": lambda tmp: (
+        one_sentence_under_torchrun("ddp_train.py", ["--global-batch-size", "33"], 2)
+    ),
+    "2 processes on a node whose processes see 1 GPU": lambda tmp: (
+        one_sentence_under_torchrun(
+            "ddp_train.py", [], 2, {"SIMULATED_GPUS": "2", "CUDA_VISIBLE_DEVICES": "1"}
+        )
+    ),
+    "`srun`, several tasks, without `MASTER_ADDR`": lambda tmp: alone(
+        [], {k: v for k, v in srun_env(0, 1).items() if not k.startswith("MASTER_")}
+    ),
+    "`MASTER_PORT` already taken, under `srun`": busy_port,
+    "a process missing for `--timeout` seconds": lambda tmp: alone(
+        ["--timeout", "2"], srun_env(0, free_port())
+    ),
+    "a damaged checkpoint": lambda tmp: alone(
+        ["--checkpoint-dir", "ckpt"],
+        cwd=checkpoint(tmp, {"config": SETTINGS}, cut=True),
+    ),
+    "a checkpoint written with other settings": lambda tmp: alone(
+        ["--checkpoint-dir", "ckpt"], cwd=checkpoint(tmp, {"config": SETTINGS})
+    ),
+    "the checkpoint folder not shared between nodes": folders_not_shared,
+}
+# Several processes: make test launches torchrun's failure path once
+# (tests/test_scripts.py) and checks these two sentences in-process.
+SLOW = {"`--global-batch-size 33` with 2 processes",
+        "2 processes on a node whose processes see 1 GPU",
+        "the checkpoint folder not shared between nodes"}  # fmt: skip
+
+
+def quoted() -> dict[str, str]:
+    """The cluster page's table of bad input: each cause, and what the script says."""
+    section = CLUSTER_PAGE.read_text().split("## When something is wrong")[1]
+    return dict(re.findall(r"^\| (.+?) \| `(.+?)` \|$", section, re.M))
+
+
+def matches(quote: str, sentence: str) -> bool:
+    """Whether ``sentence`` is ``quote``, whose ``...`` stands for any text."""
+    pattern = ".*".join(re.escape(piece.strip()) for piece in quote.split("..."))
+    return re.fullmatch(pattern, sentence) is not None
 
 
 @pytest.mark.slow
-def test_a_global_batch_that_does_not_split_is_one_sentence():
-    code, _, stderr = run([*TORCHRUN, "--standalone", "--nproc-per-node=2", SCRIPT,
-                           "--global-batch-size", "33"])  # fmt: skip
-    assert "does not split evenly over 2 processes" in one_sentence(code, stderr)
+def test_a_bad_launch_under_mp_spawn_is_one_sentence_and_exit_code_2():
+    code, out, err = run([sys.executable, SCRIPT, "--spawn", "2",
+                          "--global-batch-size", "33"])  # fmt: skip
+    assert code == 2 and "Traceback" not in out + err, out + err
+    assert one_sentence(code, err).startswith("the global batch (33) does not split")
+
+
+def test_the_cluster_page_quotes_a_sentence_for_each_cause_the_tests_provoke():
+    assert list(quoted()) == list(CAUSES)
+    assert matches("a ... c ...", "a b c d") and not matches("a ... c", "a b c d")
+
+
+@pytest.mark.parametrize(
+    "cause",
+    [pytest.param(c, marks=[pytest.mark.slow] if c in SLOW else []) for c in CAUSES],
+)
+def test_bad_input_is_the_sentence_the_cluster_page_quotes(cause, tmp_path):
+    said = CAUSES[cause](tmp_path)
+    assert matches(quoted()[cause], said), (
+        f"the page quotes {quoted()[cause]!r}, the script said {said!r}"
+    )
 
 
 # ---------------------------------------------------------------- SLURM and the book
@@ -437,6 +556,28 @@ def test_every_named_file_exists(path):
     assert "companion/scripts/ddp_train.py" in names
     missing = sorted(n for n in names if not exists(n))
     assert not missing, f"{path.name} names files that do not exist: {missing}"
+
+
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*[a-z0-9]")
+
+
+def test_every_flag_the_cluster_page_names_exists(capsys):
+    """A flag after ``ddp_train.py`` (or its batch file) in a command is one of the
+    script's; any other is the script's, torchrun's, or SLURM's from the batch file."""
+    with pytest.raises(SystemExit):
+        ddp_train.parse_args(["--help"])
+    options = capsys.readouterr().out.split("options:")[1]
+    own = set(re.findall(r"^ +(?:-\w, )?(--[a-z-]+)", options, re.M))
+    assert {"--checkpoint-dir", "--timeout", "--lr"} <= own and "--backend" not in own
+    text = CLUSTER_PAGE.read_text()
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for command in block.replace("\\\n", " ").splitlines():
+            for args in re.split(r"ddp_train\.(?:py|sbatch)\b", command)[1:]:
+                assert set(FLAG.findall(args)) <= own, command
+    torchrun = set(get_args_parser()._option_string_actions)
+    slurm = set(FLAG.findall(SBATCH.read_text())) - own - torchrun
+    unknown = set(FLAG.findall(text)) - own - torchrun - slurm
+    assert not unknown, f"the page names flags that nothing takes: {sorted(unknown)}"
 
 
 def test_every_command_on_the_cluster_page_names_an_existing_file():
@@ -468,25 +609,6 @@ if problems:
 if os.environ.get("SRUN_RUN") == "1":
     os.execvp(args[0], args)
 """
-
-
-@pytest.mark.slow
-def test_nodes_that_see_different_checkpoints_stop_with_one_sentence(tmp_path):
-    """A relative --checkpoint-dir on two nodes: each has its own folder, and only
-    node 0's holds a checkpoint. Training apart would go wrong silently."""
-    nodes = [tmp_path / "node0", tmp_path / "node1"]
-    for node in nodes:
-        node.mkdir()
-    code, _, err = run([*TORCHRUN, "--nproc-per-node=1", SCRIPT, *TINY, "--steps",
-                        "8", "--checkpoint-dir", nodes[0] / "ckpt"])  # fmt: skip
-    assert code == 0, err
-    tag, port = uuid.uuid4().hex, free_port()
-    command = two_nodes_command(port, ["--checkpoint-dir", "ckpt"])
-    procs = [start(command, tag, cwd=node) for node in nodes]
-    for code, out, err in finish(procs, tag):
-        assert code != 0
-        said = [line for line in (out + err).splitlines() if "different steps" in line]
-        assert said and ("[0, 8]" in said[0] or "[8, 0]" in said[0]), out + err
 
 
 def run_sbatch(tmp_path, env: dict, args=()) -> tuple[int, str, dict]:

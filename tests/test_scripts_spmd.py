@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from launchers import two_agents
+from launchers import one_sentence_under_torchrun, two_agents
 
 from companion.launch import launch, script_path
 from companion.scripts import convnext_sharded, dtensor_basics, spmd_data_parallel
@@ -74,6 +74,12 @@ def test_a_bad_launch_is_one_sentence(
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert err.endswith(f": error: {said}\n") and err.count("\n") == 1, err
+
+
+@pytest.mark.slow
+def test_a_bad_launch_under_torchrun_is_said_once_and_named_the_root_cause():
+    said = one_sentence_under_torchrun("convnext_sharded.py", [], 3)
+    assert said == "3 processes do not divide dim 3 (256)."
 
 
 def test_eight_processes_may_replicate_instead_of_exchanging_halos(monkeypatch):

@@ -1,10 +1,12 @@
 """Mistakes that only a GPU shows, each made once, for tests/test_simulated_gpu.py.
 
-Run under ``simulated_gpu.py`` as one process: each case runs in turn, and the
-error it raised (or "ok") goes into the JSON file given as the only argument.
-Two of the cases are the crashes of the first real GPU run (an H100, torch
-2.11): ``ddp_resnet.py`` all-reduced its timings from a CPU tensor, and
-chapter 07 subtracted CPU clones from GPU parameters.
+Run under ``simulated_gpu.py`` as one process that sees two GPUs: each case
+runs in turn, and the error it raised (or "ok") goes into the JSON file given
+as the only argument. Two of the cases are the crashes of the first real GPU
+run (an H100, torch 2.11): ``ddp_resnet.py`` all-reduced its timings from a
+CPU tensor, and chapter 07 subtracted CPU clones from GPU parameters; one is
+``ddp_train.py``'s under ``srun --gpus-per-task=1``: DDP told ``cuda:LOCAL_RANK``
+on a task that sees one GPU.
 """
 
 import json
@@ -14,6 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from companion.multidevice import get_params, init_lenet_params, train_batch
 from companion.scripts.hello_distributed import setup_distributed
@@ -29,9 +32,11 @@ def model_and_batch(move_model: bool = True, move_batch: bool = True):
 
 def right() -> None:
     model, x = model_and_batch()
-    model(x).sum().backward()
+    DDP(model, device_ids=[device])(x).sum().backward()
     total = torch.zeros(1, device=device)
     dist.all_reduce(total)
+    other = torch.device("cuda", 1)  # the second GPU, used on its own, is fine too
+    nn.Linear(8, 2).to(other)(x.to(other)).sum().backward()
 
 
 def model_left_on_the_cpu() -> None:
@@ -61,6 +66,26 @@ def cpu_clones_minus_gpu_parameters() -> None:
     [p - p0 for p, p0 in zip(replicas[0], before)]
 
 
+def a_gpu_it_does_not_see() -> None:
+    torch.zeros(2, device="cuda:2")
+
+
+def two_gpus_in_one_sum() -> None:
+    model, x = model_and_batch()
+    model(x) + torch.ones(2, device="cuda:1")
+
+
+def ddp_told_a_gpu_it_does_not_see() -> None:
+    """ddp_train.py before the fix: device_ids=[local_rank], local rank 2."""
+    model, _ = model_and_batch()
+    DDP(model, device_ids=[2])
+
+
+def ddp_told_another_gpu() -> None:
+    model, _ = model_and_batch()
+    DDP(model, device_ids=[1])
+
+
 def load_without_map_location() -> None:
     torch.save({"w": torch.ones(2)}, "/dev/shm/gpu_mistakes.pt")
     torch.load("/dev/shm/gpu_mistakes.pt", weights_only=True)
@@ -73,6 +98,10 @@ for case in (
     batch_left_on_the_cpu,
     timings_all_reduced_from_the_cpu,
     cpu_clones_minus_gpu_parameters,
+    a_gpu_it_does_not_see,
+    two_gpus_in_one_sum,
+    ddp_told_a_gpu_it_does_not_see,
+    ddp_told_another_gpu,
     load_without_map_location,
 ):
     try:

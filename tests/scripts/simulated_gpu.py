@@ -1,27 +1,37 @@
-"""Run a script as if every process had a GPU of its own, on a machine without one.
+"""Run a script as if its node had GPUs, on a machine without one.
 
     python tests/scripts/simulated_gpu.py SCRIPT [ARGS ...]
     torchrun --nproc-per-node=2 tests/scripts/simulated_gpu.py SCRIPT [ARGS ...]
+    SIMULATED_GPUS=4 CUDA_VISIBLE_DEVICES=1,3 torchrun --nproc-per-node=2 ...
 
-The script takes its GPU path (``torch.cuda.device_count()`` says there is one
-GPU per process, or ``SIMULATED_GPUS``), asks for the nccl backend, puts its
-model and batches on ``cuda:LOCAL_RANK``, and trains for real: the tensors are
-on the CPU and the collectives go through gloo. Meanwhile every tensor
-remembers where it would live on a real GPU machine, and the simulation fails,
-with the error CUDA or nccl would raise, when the script
+The node has ``SIMULATED_GPUS`` GPUs (default: ``LOCAL_WORLD_SIZE``, else 1),
+and a process sees those that ``CUDA_VISIBLE_DEVICES`` lists, renumbered from
+0, as CUDA does (all of them when it is unset, none when it is empty). The
+script takes its GPU path, asks for the nccl backend, puts its model and
+batches on ``cuda:N``, and trains for real: the tensors are on the CPU and the
+collectives go through gloo. Meanwhile every tensor remembers which GPU it
+would live on, and the simulation fails, with the error CUDA or nccl would
+raise, when the script
 
+- names a GPU it does not see, ``cuda:N`` with N at least the number it sees
+  ("invalid device ordinal"): in ``.to``, a factory, ``set_device``,
+  ``init_process_group(device_id=...)`` or DDP's ``device_ids``;
+- wraps a model in DDP with ``device_ids`` other than the model's GPU (its
+  forward pass would move the inputs to another GPU than the weights');
+- puts two processes of one node on one GPU (nccl: "Duplicate GPU detected");
 - passes a tensor that lives on the CPU to a collective (nccl has no CPU
   backend: "No backend type associated with device type cpu");
-- computes with a CPU tensor and a GPU tensor together ("Expected all tensors
-  to be on the same device"), 0-dim CPU tensors excepted as in CUDA;
+- computes with tensors on two devices together, a CPU and a GPU or two GPUs
+  ("Expected all tensors to be on the same device"), 0-dim CPU tensors
+  excepted as in CUDA;
 - calls ``torch.load`` without ``map_location`` (a checkpoint saved on
   ``cuda:1`` would load onto ``cuda:1``);
 - chooses another backend than nccl for its GPU.
 
 How a tensor's place is known: a ``TorchFunctionMode`` sees every torch call.
 It rewrites ``cuda`` devices to the CPU, and marks the storage of what a call
-returns: "gpu" when the call put it on a ``cuda`` device or computed it from a
-GPU tensor, "cpu" when the call made it on the CPU (a factory with no device,
+returns: "cuda:N" when the call put it on GPU N or computed it from a tensor
+there, "cpu" when the call made it on the CPU (a factory with no device,
 ``.cpu()``), and nothing when torch's own code made it on a device it was
 given (in the simulation torch's internals get the CPU where they would get
 the GPU, so their tensors are not judged). ``.to("cuda")`` copies, as on a
@@ -46,8 +56,10 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 TORCH_DIR = str(Path(torch.__file__).parent)
 HERE = str(Path(__file__).resolve())
-GPU, CPU = "gpu", "cpu"
+CPU = "cpu"
 _places: dict[int, tuple[str, StorageWeakRef]] = {}
+_visible: list[int] = []  # the node's GPUs this process sees, as cuda:0, cuda:1, ...
+_current = {"index": 0}  # torch.cuda.set_device's choice
 
 
 class SimulationError(RuntimeError):
@@ -62,7 +74,7 @@ def _storage(t: torch.Tensor):
 
 
 def place_of(t: torch.Tensor) -> str | None:
-    """Where ``t`` would live on a GPU machine: "gpu", "cpu", or None (not known)."""
+    """Where ``t`` would live on a GPU machine: "cuda:N", "cpu", or None (not known)."""
     storage = _storage(t)
     if storage is None:
         return None
@@ -80,6 +92,23 @@ def mark(t: torch.Tensor, place: str | None) -> None:
 
 def _is_cuda(device: object) -> bool:
     return isinstance(device, (str, torch.device)) and str(device).startswith("cuda")
+
+
+def _is_gpu(place: str | None) -> bool:
+    return place is not None and place.startswith("cuda")
+
+
+def gpu_place(device: str | torch.device | int | None) -> str:
+    """``cuda:N`` for a device that names GPU N, or the current GPU; refuse an unseen one."""
+    named = isinstance(device, (str, torch.device))
+    index = torch.device(device).index if named else device  # an int, or None
+    index = _current["index"] if index is None else index
+    if not 0 <= index < len(_visible):
+        raise SimulationError(
+            f"CUDA error: invalid device ordinal (cuda:{index}; this process sees "
+            f"{len(_visible)} GPU(s))"
+        )
+    return f"cuda:{index}"
 
 
 def _is_cpu(device: object) -> bool:
@@ -102,13 +131,18 @@ def _tensors(values) -> list[torch.Tensor]:
     return [v for v in tree_flatten(values)[0] if isinstance(v, torch.Tensor)]
 
 
+def _two_devices(name: str, a: str, b: str) -> SimulationError:
+    return SimulationError(
+        f"{name}: Expected all tensors to be on the same device, but found at "
+        f"least two devices, {a} and {b}!"
+    )
+
+
 NAMING = {torch.device, torch._C._nn._parse_to}
 PROPERTIES = {
-    torch.Tensor.device.__get__: lambda: torch.device(
-        "cuda", torch.cuda.current_device()
-    ),
-    torch.Tensor.is_cuda.__get__: lambda: True,
-    torch.Tensor.get_device: lambda: torch.cuda.current_device(),
+    torch.Tensor.device.__get__: torch.device,
+    torch.Tensor.is_cuda.__get__: lambda place: True,
+    torch.Tensor.get_device: lambda place: torch.device(place).index,
 }
 MOVES = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu}
 UNCHECKED = {torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch.Tensor.copy_}
@@ -123,22 +157,24 @@ class SimulatedGPU(TorchFunctionMode):
             return func(*args, **kwargs)
         if func in MOVES:
             return self._move(func, args, kwargs)
-        if func in PROPERTIES and _from_user_code() and place_of(args[0]) == GPU:
-            return PROPERTIES[func]()  # the script sees its GPU; torch sees the CPU
-        wants_gpu = any(_is_cuda(v) for v in tree_flatten((args, kwargs))[0])
+        if func in PROPERTIES and _from_user_code() and _is_gpu(place_of(args[0])):
+            return PROPERTIES[func](place_of(args[0]))  # the script sees its GPU
+        named = [v for v in tree_flatten((args, kwargs))[0] if _is_cuda(v)]
+        wants_gpu = [gpu_place(v) for v in named]
         wants_cpu = any(_is_cpu(v) for v in tree_flatten((args, kwargs))[0])
         args, kwargs = tree_map(_to_cpu, (args, kwargs))
         inputs = _tensors((args, kwargs))
         places = {place_of(t) for t in inputs}
+        gpus = sorted(p for p in places if _is_gpu(p))
         out = func(*args, **kwargs)
-        if GPU in places and func not in UNCHECKED and _tensors(out):
+        if gpus and func not in UNCHECKED and _tensors(out):
+            name = getattr(func, "__name__", func)
+            if len(gpus) > 1:
+                raise _two_devices(name, *gpus[:2])
             if any(place_of(t) == CPU and t.dim() > 0 for t in inputs):
-                raise SimulationError(
-                    f"{getattr(func, '__name__', func)}: Expected all tensors to be on "
-                    "the same device, but found at least two devices, cuda:0 and cpu!"
-                )
-        if wants_gpu or (GPU in places and not wants_cpu):
-            place = GPU
+                raise _two_devices(name, gpus[0], CPU)
+        if wants_gpu or (gpus and not wants_cpu):
+            place = (wants_gpu or gpus)[0]
         elif wants_cpu or inputs:
             place = CPU if (wants_cpu or places == {CPU}) else None
             if wants_cpu and not _from_user_code():
@@ -156,8 +192,10 @@ class SimulatedGPU(TorchFunctionMode):
         source, rest = args[0], args[1:]
         values = tree_flatten((rest, kwargs))[0]
         other = next((v for v in values if isinstance(v, torch.Tensor)), None)
-        if func is torch.Tensor.cuda or any(_is_cuda(v) for v in values):
-            target = GPU
+        if func is torch.Tensor.cuda:  # .cuda(device=None, non_blocking=False)
+            target = gpu_place(rest[0] if rest else kwargs.get("device"))
+        elif any(_is_cuda(v) for v in values):
+            target = gpu_place(next(v for v in values if _is_cuda(v)))
         elif func is torch.Tensor.cpu or any(_is_cpu(v) for v in values):
             target = CPU if _from_user_code() else None
         elif other is not None:
@@ -239,17 +277,41 @@ class FakeEvent:
         return (end.time - self.time) * 1000.0
 
 
-def install(gpus: int) -> None:
-    """Patch torch so that the script sees ``gpus`` GPUs and runs on the CPU."""
+def visible_gpus(node_gpus: int, listed: str | None) -> list[int]:
+    """The node's GPUs a process sees, as CUDA reads ``CUDA_VISIBLE_DEVICES``:
+    all when unset, the listed ones in order up to the first that is not there."""
+    if listed is None:
+        return list(range(node_gpus))
+    seen = []
+    for entry in listed.split(","):
+        if not entry.strip().isdigit() or int(entry) >= node_gpus:
+            break
+        seen.append(int(entry))
+    return seen
+
+
+def refuse_shared_gpus(device_id: torch.device) -> None:
+    """Raise nccl's error if another process of this node took the same GPU."""
+    node = os.environ.get("GROUP_RANK", os.environ.get("SLURM_NODEID", "0"))
+    mine = (node, _visible[torch.device(gpu_place(device_id)).index])
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    twins = [r for r, gpu in enumerate(everyone) if gpu == mine]
+    if len(twins) > 1:
+        raise SimulationError(
+            f"Duplicate GPU detected : rank {twins[0]} and rank {twins[1]} both on "
+            f"CUDA device {mine[1]} of node {node}"
+        )
+
+
+def install(node_gpus: int, listed: str | None) -> None:
+    """Patch torch so that the script sees the node's GPUs that ``listed`` names
+    (``CUDA_VISIBLE_DEVICES``) and runs on the CPU."""
+    _visible[:] = visible_gpus(node_gpus, listed)
     cuda = torch.cuda  # is_available() stays False, so that torch's internals
-    cuda.device_count = lambda: gpus  # never reach for a CUDA driver
-    current = {"index": 0}
-    cuda.set_device = lambda d: current.update(
-        index=torch.device(d, 0).index or 0
-        if isinstance(d, str)
-        else getattr(d, "index", d) or 0
-    )
-    cuda.current_device = lambda: current["index"]
+    cuda.device_count = lambda: len(_visible)  # never reach for a CUDA driver
+    cuda.set_device = lambda d: _current.update(index=torch.device(gpu_place(d)).index)
+    cuda.current_device = lambda: _current["index"]
     cuda.synchronize = lambda device=None: None
     cuda.get_device_name = lambda device=None: "Simulated GPU"
     cuda.is_bf16_supported = lambda *a, **k: True
@@ -275,7 +337,9 @@ def install(gpus: int) -> None:
             raise SimulationError(
                 f"a GPU process asked for the {backend} backend, not nccl"
             )
-        return original_init("gloo", *args, **kwargs)
+        original_init("gloo", *args, **kwargs)
+        if device_id is not None:
+            refuse_shared_gpus(device_id)
 
     dist.init_process_group = init_process_group
     dist.get_backend = functools.partial(
@@ -306,6 +370,11 @@ def install(gpus: int) -> None:
     original_ddp = DistributedDataParallel.__init__
 
     def ddp_init(self, module, device_ids=None, output_device=None, *args, **kwargs):
+        if device_ids:  # its forward pass moves the inputs to device_ids[0]
+            named = gpu_place(device_ids[0])
+            held = sorted({place_of(p) for p in module.parameters()} - {named, None})
+            if held:
+                raise _two_devices("DistributedDataParallel", named, held[0])
         original_ddp(self, module, None, None, *args, **kwargs)
 
     DistributedDataParallel.__init__ = ddp_init
@@ -326,8 +395,9 @@ def main() -> None:
     if len(sys.argv) < 2:
         sys.exit(f"usage: {Path(__file__).name} SCRIPT [ARGS ...]")
     script = sys.argv[1]
-    gpus = int(os.environ.get("SIMULATED_GPUS", os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    install(gpus)
+    env = os.environ
+    node_gpus = int(env.get("SIMULATED_GPUS", env.get("LOCAL_WORLD_SIZE", 1)))
+    install(node_gpus, env.get("CUDA_VISIBLE_DEVICES"))
     sys.argv = sys.argv[1:]
     sys.path.insert(0, str(Path(script).resolve().parent))
     with SimulatedGPU():
