@@ -401,12 +401,13 @@ def test_resuming_on_fewer_processes_follows_the_unbroken_run(python, tmp_path):
 @pytest.mark.slow
 def test_ddp_under_detail_on_gloo_is_refused_in_one_sentence():
     run = run_ranks(SCRIPT, ["--timeout", "30"], env=DETAIL)
-    assert run.returncodes == [2, 2]
-    for output in run.outputs:
-        assert output.strip().endswith(
-            "failures.py: error: DDP crashes on gloo under "
-            "TORCH_DISTRIBUTED_DEBUG=DETAIL; add --shard"
-        )
+    # rank 0 says it and exits 2; rank 1 waits silently for the launcher to stop it
+    assert run.returncodes[0] == 2 and run.returncodes[1] in (None, 2)
+    assert run.outputs[0].strip().endswith(
+        "failures.py: error: DDP crashes on gloo under "
+        "TORCH_DISTRIBUTED_DEBUG=DETAIL; add --shard"
+    )
+    assert "Traceback" not in run.outputs[1]
 
 
 @pytest.mark.slow
