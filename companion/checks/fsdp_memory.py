@@ -409,6 +409,8 @@ def judge(run: dict, everyone: list[dict], reference: list[float], tol: float):
                     e["communication"][s]["per_step"] == comm[s]["per_step"]
                     for e in everyone
                 ),
+                "microbatches": ACCUMULATION.get(s, (1,))[0],
+                "sync": ACCUMULATION.get(s, (1, None))[1],
             }
             for s in EVERY_SETTING
         },
