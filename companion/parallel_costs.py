@@ -34,12 +34,13 @@ __all__ = [
     "DeviceAndLink",
     "GPTWorkload",
     "Plan",
-    "activation_bytes",
     "bubble_fraction",
     "memory_bytes",
     "model_state_bytes",
     "replay_schedule",
     "ring_all_reduce_seconds",
+    "ring_half_seconds",
+    "saved_activation_bytes",
     "step_costs",
     "timeline_bubble",
 ]
@@ -329,7 +330,7 @@ def model_state_bytes(
     return whole if layout == "data" else whole / processes
 
 
-def activation_bytes(model: GPTWorkload, plan: Plan, processes: int) -> float:
+def saved_activation_bytes(model: GPTWorkload, plan: Plan, processes: int) -> float:
     """Bytes of activations one device keeps for backward at its peak.
 
     Chapter 12's count with fused attention, per position and block:
@@ -365,9 +366,9 @@ def activation_bytes(model: GPTWorkload, plan: Plan, processes: int) -> float:
 
 def memory_bytes(model: GPTWorkload, plan: Plan, processes: int) -> dict[str, float]:
     """Bytes per device: ``"state"`` (``model_state_bytes``), ``"activations"``
-    (``activation_bytes``) and their ``"total"``. Left out: temporaries, the
+    (``saved_activation_bytes``) and their ``"total"``. Left out: temporaries, the
     gradients in flight, the parameters FSDP gathers, the logits and the
     allocator's cache, which real runs add on top."""
     state = model_state_bytes(model, plan.layout, processes)
-    activations = activation_bytes(model, plan, processes)
+    activations = saved_activation_bytes(model, plan, processes)
     return {"state": state, "activations": activations, "total": state + activations}

@@ -44,7 +44,7 @@ def test_the_device_clock_records_cuda_events_without_waiting(monkeypatch) -> No
         def synchronize(self) -> None:
             calls.append("synchronize")
 
-        def elapsed_time(self, end: "Event") -> float:
+        def elapsed_time(self, end: Event) -> float:
             return 1000.0 * (end.at - self.at)  # milliseconds
 
     monkeypatch.setattr(torch.cuda, "Event", Event)

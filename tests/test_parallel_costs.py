@@ -9,19 +9,24 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from companion.gpt import GPT, CharText, GPTConfig, lm_loss
+from companion.gpt import (
+    GPT,
+    CharText,
+    GPTConfig,
+    lm_loss,
+    saved_activation_bytes_formula,
+)
 from companion.notebook import CourseError
-from companion.gpt import saved_activation_bytes_formula
 from companion.parallel_costs import (
     DeviceAndLink,
     GPTWorkload,
     Plan,
-    activation_bytes,
     bubble_fraction,
     memory_bytes,
     model_state_bytes,
     replay_schedule,
     ring_all_reduce_seconds,
+    saved_activation_bytes,
     step_costs,
     timeline_bubble,
 )
@@ -234,25 +239,25 @@ def test_activations_follow_chapter_12s_formula_with_fused_attention() -> None:
     config = GPTConfig(n_layer=3, n_head=4, n_embd=32, block_size=16, sdpa=True)
     model = GPTWorkload(3, 32, 16, batch_size=8, dtype_bytes=2, n_head=4)
     blocks = saved_activation_bytes_formula(config, 2, 16, dtype_bytes=2)["blocks"]
-    assert activation_bytes(model, Plan("data"), 4) == blocks  # 8 / 4 sequences
-    assert activation_bytes(model, Plan("fsdp", 2), 4) == blocks / 2
+    assert saved_activation_bytes(model, Plan("data"), 4) == blocks  # 8 / 4 sequences
+    assert saved_activation_bytes(model, Plan("fsdp", 2), 4) == blocks / 2
 
 
 def test_activations_of_each_layout() -> None:
     d, h, n, T, B, L = 64, 4, 2, 8, 4, 4
     model = GPTWorkload(L, d, T, B, dtype_bytes=1, n_head=h)
     positions = B * T
-    tensor = activation_bytes(model, Plan("tensor"), n)
+    tensor = saved_activation_bytes(model, Plan("tensor"), n)
     assert tensor == positions * L * (4 * d + 4 + (12 * d + h) / n)
-    sp = activation_bytes(model, Plan("tensor", sequence_parallel=True), n)
+    sp = saved_activation_bytes(model, Plan("tensor", sequence_parallel=True), n)
     assert sp == positions * L * (2 * d + (14 * d + 4 + h) / n)
     # 1F1B's first stage: min(m, p) micro-batches of B/m sequences, L/p blocks.
-    pipe = activation_bytes(model, Plan("pipeline", 4), n)
+    pipe = saved_activation_bytes(model, Plan("pipeline", 4), n)
     assert pipe == 2 * (positions / 4) * (L / 2) * (16 * d + 4 + h)
     # Recomputation: each block's input, and one block whole.
-    again = activation_bytes(model, Plan("data", recompute=True), n)
+    again = saved_activation_bytes(model, Plan("data", recompute=True), n)
     assert again == positions / n * (L * d + 16 * d + 4 + h)
-    both = activation_bytes(model, Plan("tensor", sequence_parallel=True,
+    both = saved_activation_bytes(model, Plan("tensor", sequence_parallel=True,
                                         recompute=True), n)  # fmt: skip
     assert both == positions * (L * d / n + 2 * d + (14 * d + 4 + h) / n)
 

@@ -17,11 +17,12 @@ functions, and measures:
   FSDP2, which keeps it), "off" and "all-on" (the root too), and for "on"
   with FSDP2's mixed precision ("on, bf16": gathered in bfloat16, reduced
   in float32), against their formulas; one process makes no collective;
-- gradient accumulation over 2 parts of each rank's slice, with the "on"
-  sharding: its collectives, reduce-scattered after the last part or after
-  each, and the bytes live as the second part's forward pass begins beyond
-  those as the first began: the whole, unsharded gradients (sync last) or
-  this rank's padded shard of them (sync each), and the first part's loss;
+- with two or more processes, gradient accumulation over 2 parts of each
+  rank's slice, with the "on" sharding: its collectives, reduce-scattered
+  after the last part or after each, and the bytes live as the second
+  part's forward pass begins beyond those as the first began: the whole,
+  unsharded gradients (sync last) or this rank's padded shard of them
+  (sync each), and the first part's loss;
 - each rank's peak during the last step: the bytes of its live tensors
   (``companion.memory.LiveTensors``: shards, Adam's state, gathered
   parameters, activations, gradients), and on CUDA the allocator's
@@ -79,9 +80,13 @@ ACCUMULATION = {
     "on, 2 parts, sync last": (2, "last"),
     "on, 2 parts, sync each": (2, "each"),
 }
-EVERY_SETTING = (*SETTINGS, *ACCUMULATION)
 GATHER_BYTES = {"bf16": 2}  # bytes per element gathered and computed with
 REDUCE_BYTES = {"bf16": 4}  # bytes per element reduce-scattered with
+
+
+def counted_settings(world_size: int) -> tuple[str, ...]:
+    """The settings a run counts: accumulation's only with something to reduce."""
+    return (*SETTINGS, *(ACCUMULATION if world_size > 1 else ()))
 
 
 def units_of(model: nn.Module) -> list[dict]:
@@ -234,7 +239,11 @@ def held_at_start(model: nn.Module, optimizer, *batch: torch.Tensor) -> LiveTens
 
 
 def train_counted(
-    model: nn.Module, optimizer, batches: list, device, accumulation=(1, "last")
+    model: nn.Module,
+    optimizer,
+    batches: list,
+    device,
+    accumulation: tuple[int, str] = (1, "last"),
 ) -> dict:
     """Train with fsdp_gpt's ``train_step`` (in ``accumulation``'s micro-batches
     and sync); count every step's collectives, the unsharded bytes between the
@@ -339,7 +348,8 @@ def judge(run: dict, everyone: list[dict], reference: list[float], tol: float):
     """On rank 0: the results and the sentence for exit code 3 ("" if none)."""
     n, b, units = run["world_size"], run["dtype_bytes"], run.pop("units")
     predicted_state = [predict_state(units, n, r, b) for r in range(n)]
-    predicted = {s: predict_communication(units, n, b, s) for s in EVERY_SETTING}
+    counted = counted_settings(n)
+    predicted = {s: predict_communication(units, n, b, s) for s in counted}
     measured_states = [e["state"] for e in everyone]
     comm = everyone[0]["communication"]
     diff = max(abs(a - r) for a, r in zip(run["losses"], reference))
@@ -350,7 +360,7 @@ def judge(run: dict, everyone: list[dict], reference: list[float], tol: float):
             and e["communication"][s]["unsharded_bytes_after_forward"]
             == predicted[s]["unsharded_bytes_after_forward"]
             for e in everyone
-            for s in EVERY_SETTING
+            for s in counted
             for step in e["communication"][s]["per_step"]
         ),
         "losses": diff <= tol,
@@ -359,6 +369,7 @@ def judge(run: dict, everyone: list[dict], reference: list[float], tol: float):
             == predicted[s]["gradient_bytes_between_microbatches"]
             for e in everyone
             for s in ACCUMULATION
+            if s in counted
         ),
     }
     results = {
@@ -412,7 +423,7 @@ def judge(run: dict, everyone: list[dict], reference: list[float], tol: float):
                 "microbatches": ACCUMULATION.get(s, (1,))[0],
                 "sync": ACCUMULATION.get(s, (1, None))[1],
             }
-            for s in EVERY_SETTING
+            for s in counted
         },
         "peak": {
             "step": everyone[0]["peak"]["step"],
@@ -435,7 +446,7 @@ def judge(run: dict, everyone: list[dict], reference: list[float], tol: float):
         f"rank 0's live tensors peaked at ~{peak['bytes_per_rank'][0]} B in step "
         f"{run['steps'][peak['step']]}"
     )
-    for s in EVERY_SETTING:
+    for s in counted:
         said = [
             f"{v['calls']} {k}s ({v['output_bytes']} B out)"
             for k, v in comm[s]["per_step"][0].items()
@@ -518,7 +529,7 @@ def main() -> None:
     # One counted step of each other setting, on a fresh model: the counts and
     # sizes do not depend on the values.
     communication = {}
-    for setting in (*SETTINGS, *ACCUMULATION):
+    for setting in counted_settings(world_size):
         values = SETTINGS.get(setting, SETTINGS["on"])
         accumulation = ACCUMULATION.get(setting, (1, "last"))
         counted = (
