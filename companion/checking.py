@@ -4,7 +4,9 @@ A check runs a standalone script's own functions in several processes,
 measures around them, and judges the measurements against formulas on rank 0
 (see ``companion/checks/__init__.py``). This module holds the pieces every
 check needs: the tolerance of a comparison with the plain model, a clock
-that waits for the device, the processes' records gathered, and one ending
+that waits for the device, the processes' records gathered, marks on the
+device's own timeline that time a step's parts without waiting for the
+device inside it (``DeviceClock``), and one ending
 for all of them (rank 0's results file, and exit code 3 with one sentence
 when a check missed). Used in chapters 12 and 13.
 """
@@ -17,12 +19,14 @@ import sys
 import time
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from companion.timing import synchronize
 
 __all__ = [
     "TOLERANCES",
+    "DeviceClock",
     "clock",
     "every_rank",
     "finish",
@@ -59,6 +63,37 @@ def clock() -> float:
     """
     synchronize()
     return time.perf_counter()
+
+
+class DeviceClock:
+    """Marks on the device's own timeline, read once its work is done.
+
+    On a GPU ``mark()`` records a CUDA event in the current stream: the host
+    neither waits for the GPU nor stops queueing work, so marks around every
+    pass of a step leave its overlap (of kernel launches with kernels, of
+    communication with computation) as it was, where a host clock would
+    have to synchronise the device at each mark; ``seconds(a, b)`` waits for
+    mark ``b``, so read the marks after the step. On a CPU, whose operations
+    are synchronous, a mark is the host clock.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.cuda = torch.device(device).type == "cuda"
+
+    def mark(self) -> Any:
+        """A point in time: a recorded CUDA event, or the host clock's reading."""
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start: Any, end: Any) -> float:
+        """Seconds from mark ``start`` to mark ``end`` (on a GPU: once ``end`` ran)."""
+        if not self.cuda:
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3  # elapsed_time: milliseconds
 
 
 def print0(*args: object) -> None:

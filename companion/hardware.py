@@ -30,6 +30,7 @@ __all__ = [
     "UNKNOWN",
     "FP32_FLOPS_PER_CYCLE",
     "bf16_matmul_support",
+    "bf16_matmul_units",
     "cpu_flags",
     "PeakEstimate",
     "MachineLimits",
@@ -86,6 +87,30 @@ def bf16_matmul_support(cpuinfo: str | Path = _CPUINFO) -> str | None:
     if flags is None:
         return UNKNOWN
     return next((flag for flag in BF16_MATMUL_FLAGS if flag in flags), None)
+
+
+def bf16_matmul_units(
+    device: torch.device | str, cpuinfo: str | Path = _CPUINFO
+) -> str | None:
+    """Say what multiplies bfloat16 matrices natively on ``device``: None if nothing.
+
+    One rule for both kinds of device. A GPU has bfloat16 tensor cores from
+    compute capability 8.0 (NVIDIA's Ampere) on; ``torch.cuda.is_bf16_supported()``
+    is no test of that, since it also says True where bfloat16 is only
+    emulated (a V100 or a T4). A CPU has them when its flags list one of
+    ``BF16_MATMUL_FLAGS`` (``bf16_matmul_support``, ``UNKNOWN`` where the
+    flags cannot be read); any other device is ``UNKNOWN``. Used in chapter
+    12, with the rule of chapter 01.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 0):
+            return None
+        return f"tensor cores (compute capability {major}.{minor})"
+    if device.type == "cpu":
+        return bf16_matmul_support(cpuinfo)
+    return UNKNOWN
 
 
 def read_cpu_clock(

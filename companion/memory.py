@@ -508,7 +508,11 @@ def snapshot_timeline(
     (each cut into blocks), and a trace of its events per device. An
     ``alloc`` adds the bytes a tensor asked for and a ``free_completed``
     removes them; a ``segment_alloc`` (a ``cudaMalloc``) adds to the reserved
-    bytes and a ``segment_free`` removes. The trace records the bytes asked
+    bytes and a ``segment_free`` removes, and so do a ``segment_map`` and a
+    ``segment_unmap``, with which the allocator grows and shrinks its
+    segments under ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``
+    (mapping more physical memory into one segment's address range, not
+    asking ``cudaMalloc`` for another). The trace records the bytes asked
     for, not the block's size rounded up to 512 bytes (an H100 run with torch
     2.11 showed 4,000 for a 1,000-float tensor whose block is 4,096), so the
     allocated bytes here are the bytes asked for, the same measure as a
@@ -524,6 +528,7 @@ def snapshot_timeline(
     ]
     steps = {"alloc": (1, 0), "free_completed": (-1, 0)}
     steps |= {"segment_alloc": (0, 1), "segment_free": (0, -1)}
+    steps |= {"segment_map": (0, 1), "segment_unmap": (0, -1)}
     deltas = [
         (a * e["size"], r * e["size"])
         for e in trace
@@ -548,22 +553,31 @@ def snapshot_timeline(
 
 
 def record_snapshot(
-    phases: Mapping[str, Callable[[], Any]], device: torch.device | str | None = None
+    phases: Mapping[str, Callable[[], Any]],
+    device: torch.device | str | None = None,
+    path: str | os.PathLike | None = None,
 ) -> SnapshotTimeline:
     """Run the ``phases`` in order on a CUDA device, recording the allocator's events.
 
     ``torch.cuda.memory._record_memory_history`` keeps every allocation and
-    free (without stack traces here, which the snapshot viewer at
-    pytorch.org/memory_viz would show); after each phase a snapshot counts
-    the events so far. PyTorch recommends these snapshots for CUDA memory; the
-    profiler's ``memory_timeline`` is its older view. Used in chapter 12.
+    free with the Python stack that made it; after each phase a snapshot
+    counts the events so far. With ``path``, the whole snapshot is also
+    written there (``torch.cuda.memory._dump_snapshot``): a pickle that
+    PyTorch's viewer at pytorch.org/memory_viz draws as stacks of tensors,
+    each with the line of code that allocated it. PyTorch recommends these
+    snapshots for CUDA memory; the profiler's ``memory_timeline`` is its
+    older view. Used in chapter 12.
     """
     device = torch.device("cuda" if device is None else device)
     index = torch.cuda.current_device() if device.index is None else device.index
     memory = torch.cuda.memory
     torch.cuda.synchronize(device)
     memory._record_memory_history(
-        enabled="all", context=None, max_entries=1_000_000, clear_history=True
+        enabled="all",
+        context="all",  # a stack for every allocation and free
+        stacks="python",  # Python frames only: C++ ones make it slow and large
+        max_entries=1_000_000,
+        clear_history=True,
     )
     marks = {}
     try:
@@ -572,6 +586,8 @@ def record_snapshot(
             torch.cuda.synchronize(device)
             marks[name] = len(memory._snapshot()["device_traces"][index])
         snapshot = memory._snapshot()
+        if path is not None:
+            memory._dump_snapshot(os.fspath(path))
     finally:
         memory._record_memory_history(enabled=None)
     return snapshot_timeline(snapshot, marks, index)

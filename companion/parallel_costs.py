@@ -9,12 +9,16 @@ are in ``companion.parallel_plots``):
 - ``replay_schedule``, which re-times the passes a pipeline ran, in the
   order each process ran them, with chosen durations and free messages, and
   ``timeline_bubble``, the idle share of such a timeline;
-- a cost model (``DeviceAndLink``, ``GPTWorkload``, ``step_costs``,
-  ``model_state_bytes``) that predicts the seconds of one training step for
-  data, fully sharded data, tensor and pipeline parallelism from FLOPs,
-  bytes and a link's bandwidth and latency. It ignores kernels' efficiency
-  at small sizes and the framework's own overheads, which is where its
-  predictions and a measurement part.
+- a cost model (``DeviceAndLink``, ``GPTWorkload``, ``Plan``,
+  ``step_costs``, ``memory_bytes``) that predicts, for data, fully sharded
+  data, tensor and pipeline parallelism, the seconds of one training step
+  from FLOPs, bytes and a link's bandwidth and latency, and the bytes each
+  device holds: the model state and the activations saved for backward
+  (chapter 12's formula), with gradient accumulation, recomputation and
+  sequence parallelism as a plan chooses them. It ignores kernels'
+  efficiency at small sizes, the framework's own overheads and the memory
+  its formulas leave out (temporaries, gathered parameters, the logits),
+  which is where its predictions and a measurement part.
 
 Used in chapter 13.
 """
@@ -29,10 +33,14 @@ from companion.notebook import CourseError
 __all__ = [
     "DeviceAndLink",
     "GPTWorkload",
+    "Plan",
     "bubble_fraction",
+    "memory_bytes",
     "model_state_bytes",
     "replay_schedule",
     "ring_all_reduce_seconds",
+    "ring_half_seconds",
+    "saved_activation_bytes",
     "step_costs",
     "timeline_bubble",
 ]
@@ -131,13 +139,23 @@ class DeviceAndLink:
 
 @dataclass(frozen=True)
 class GPTWorkload:
-    """A GPT-style model and the batch it trains on."""
+    """A GPT-style model and the batch it trains on.
+
+    ``dtype_bytes`` is the size of a parameter as the passes use it and of an
+    activation (2 in bfloat16 mixed precision); ``grad_bytes`` the size of a
+    gradient as data parallelism reduces it (4: float32, as FSDP2's
+    ``reduce_dtype=torch.float32`` and Megatron-LM's float32 gradients do).
+    ``n_head`` matters only for fused attention's log-sum-exp, one per head
+    and position.
+    """
 
     n_layer: int
     n_embd: int
     seq_len: int
     batch_size: int
     dtype_bytes: int = 4
+    n_head: int = 1
+    grad_bytes: int = 4
 
     @property
     def parameters(self) -> int:
@@ -159,76 +177,132 @@ class GPTWorkload:
         return self.batch_size * self.seq_len * self.n_embd * self.dtype_bytes
 
 
+@dataclass(frozen=True)
+class Plan:
+    """One way to split a training step over N devices, as the cost model sees it.
+
+    ``layout`` is one of ``"data"``, ``"fsdp"``, ``"tensor"`` and
+    ``"pipeline"`` (see ``step_costs``). ``microbatches``: the pipeline's
+    micro-batches, or for the other layouts gradient accumulation, the step's
+    batch in that many parts one after the other; each part holds at least
+    one sequence per device that splits the batch. ``recompute``: activation
+    checkpointing of every block (each keeps only its input, and the
+    backward pass runs its forward again). ``sequence_parallel``: with
+    ``"tensor"``, the LayerNorms' region split along the sequence.
+    ``overlap``: data parallelism and FSDP hide their traffic behind the
+    compute, at best.
+    """
+
+    layout: str
+    microbatches: int = 1
+    recompute: bool = False
+    sequence_parallel: bool = False
+    overlap: bool = False
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise CourseError(
+                f"the cost model knows the layouts {', '.join(LAYOUTS)}, not "
+                f"{self.layout!r}."
+            )
+        if self.microbatches < 1:
+            raise CourseError(
+                f"a plan needs at least 1 micro-batch, not {self.microbatches}."
+            )
+        if self.sequence_parallel and self.layout != "tensor":
+            raise CourseError(
+                "sequence parallelism splits tensor parallelism's LayerNorms; "
+                f"the {self.layout} layout has none to split."
+            )
+
+
 def ring_all_reduce_seconds(nbytes: float, processes: int, hw: DeviceAndLink) -> float:
     """A ring all-reduce: each device sends 2 (N - 1) / N of the bytes in 2 (N - 1) messages."""
+    return 2 * ring_half_seconds(nbytes, processes, hw)
+
+
+def ring_half_seconds(nbytes: float, processes: int, hw: DeviceAndLink) -> float:
+    """A ring all-gather or reduce-scatter of ``nbytes`` (the whole, gathered
+    tensor): each device sends (N - 1) / N of them in N - 1 messages."""
     if processes == 1:
         return 0.0
-    steps = 2 * (processes - 1)
+    steps = processes - 1
     return steps / processes * nbytes / hw.bandwidth + steps * hw.latency
 
 
+def _sequences_per_part(model: GPTWorkload, plan: Plan, processes: int) -> float:
+    """Sequences in one micro-batch on one device; at least one, or refused."""
+    split = processes if plan.layout in ("data", "fsdp") else 1
+    per_part = model.batch_size / (split * plan.microbatches)
+    if per_part < 1:
+        over = f" over {split} devices" if split > 1 else ""
+        raise CourseError(
+            f"{plan.microbatches} micro-batches cannot split a batch of "
+            f"{model.batch_size} sequences{over}; use at most "
+            f"{model.batch_size // split}."
+        )
+    return per_part
+
+
 def step_costs(
-    model: GPTWorkload,
-    hw: DeviceAndLink,
-    layout: str,
-    processes: int,
-    microbatches: int = 1,
-    *,
-    overlap: bool = False,
+    model: GPTWorkload, hw: DeviceAndLink, plan: Plan, processes: int
 ) -> dict[str, float]:
     """Predicted seconds of one training step: compute, communication, bubble and total.
 
-    ``layout`` is one of
+    ``plan.layout`` is one of
 
     - ``"data"``: every device a whole model and 1/N of the batch; one
-      all-reduce of the gradients per step;
+      all-reduce of the gradients per step (``no_sync`` until the last
+      micro-batch);
     - ``"fsdp"``: the same, with parameters, gradients and optimizer state
-      sharded (ZeRO-3): an all-gather of the parameters forward, another
-      backward, and a reduce-scatter of the gradients, 1.5 all-reduces' worth;
+      sharded (ZeRO-3): per micro-batch an all-gather of the parameters
+      forward, another backward, and a reduce-scatter of the gradients (each
+      micro-batch's, so that they stay sharded: FSDP2's default);
     - ``"tensor"``: every block split across the N devices (Megatron-LM):
       1/N of the FLOPs, and four all-reduces of the B T d activations per
-      block and step (two forward, two backward);
-    - ``"pipeline"``: N stages of L/N blocks and ``microbatches`` micro-batches
-      (at most the batch's sequences): the compute of one stage, stretched by
-      the bubble, and one micro-batch's activations and gradients sent across
-      every boundary.
+      block and step (two forward, two backward; with sequence parallelism an
+      all-gather and a reduce-scatter in place of each, the same bytes);
+    - ``"pipeline"``: N stages of L/N blocks and ``plan.microbatches``
+      micro-batches (at most the batch's sequences): the compute of one stage,
+      stretched by the bubble, and one micro-batch's activations and gradients
+      sent across every boundary.
 
-    ``overlap``: the data-parallel layouts hide their communication behind
+    Parameters move in ``model.dtype_bytes``, gradients in ``model.grad_bytes``.
+    ``plan.recompute`` adds a forward pass to the compute (4/3 of it), and to
+    tensor parallelism the forward pass's all-reduces (6 per block, not 4).
+    ``plan.overlap``: the data-parallel layouts hide their communication behind
     the compute (the total is the larger of the two), as DDP and FSDP do at
-    best. Tensor parallelism's all-reduces sit between the products that
-    need them, and the pipeline's messages are counted only where a stage
-    waits for them, so ``overlap`` leaves those two unchanged.
+    best. Tensor parallelism's all-reduces sit between the products that need
+    them, and the pipeline's messages are counted only where a stage waits for
+    them, so ``overlap`` leaves those two unchanged.
     """
-    n = processes
-    compute = model.step_flops / hw.flops / n
+    n, k = processes, plan.microbatches
+    _sequences_per_part(model, plan, n)
+    compute = model.step_flops / hw.flops / n * (4 / 3 if plan.recompute else 1)
     bubble = communication = 0.0
-    gradients = model.parameters * model.dtype_bytes
-    if layout == "data":
+    weights = model.parameters * model.dtype_bytes
+    gradients = model.parameters * model.grad_bytes
+    if plan.layout == "data":
         communication = ring_all_reduce_seconds(gradients, n, hw)
-    elif layout == "fsdp":
-        communication = 1.5 * ring_all_reduce_seconds(gradients, n, hw)
-    elif layout == "tensor":
-        communication = (
-            4 * model.n_layer * ring_all_reduce_seconds(model.activation_bytes, n, hw)
+    elif plan.layout == "fsdp":
+        communication = k * (
+            2 * ring_half_seconds(weights, n, hw) + ring_half_seconds(gradients, n, hw)
         )
-    elif layout == "pipeline":
-        if microbatches > model.batch_size:
-            raise CourseError(
-                f"{microbatches} micro-batches cannot split a batch of "
-                f"{model.batch_size} sequences; use at most {model.batch_size}."
-            )
-        fraction = bubble_fraction(n, microbatches)
+    elif plan.layout == "tensor":
+        per_block = 6 if plan.recompute else 4
+        part = model.activation_bytes / k
+        communication = (
+            k * per_block * model.n_layer * ring_all_reduce_seconds(part, n, hw)
+        )
+    else:  # pipeline
+        fraction = bubble_fraction(n, k)
         bubble = compute * fraction / (1 - fraction)
         # On the critical path: one micro-batch's activations cross the p - 1
         # boundaries forward, and their gradients backward; the other
         # transfers overlap with other stages' computation.
-        message = model.activation_bytes / microbatches / hw.bandwidth + hw.latency
+        message = model.activation_bytes / k / hw.bandwidth + hw.latency
         communication = 2 * (n - 1) * message
-    else:
-        raise CourseError(
-            f"the cost model knows the layouts {', '.join(LAYOUTS)}, not {layout!r}."
-        )
-    hidden = overlap and layout in ("data", "fsdp")
+    hidden = plan.overlap and plan.layout in ("data", "fsdp")
     total = max(compute, communication) if hidden else compute + communication
     return {
         "compute": compute,
@@ -245,7 +319,8 @@ def model_state_bytes(
     left out): the whole model's for ``"data"``, 1/N of it for the others.
 
     16 bytes per parameter: bfloat16 weights and gradients (2 + 2), and
-    float32 master weights and Adam's two moments (4 + 8).
+    float32 master weights and Adam's two moments (4 + 8); FSDP2's shards
+    hold the same 16 (float32 weights, gradients and moments).
     """
     if layout not in LAYOUTS:
         raise CourseError(
@@ -253,3 +328,47 @@ def model_state_bytes(
         )
     whole = model.parameters * bytes_per_parameter
     return whole if layout == "data" else whole / processes
+
+
+def saved_activation_bytes(model: GPTWorkload, plan: Plan, processes: int) -> float:
+    """Bytes of activations one device keeps for backward at its peak.
+
+    Chapter 12's count with fused attention, per position and block:
+    16 d + 4 + h elements of ``model.dtype_bytes``; under tensor parallelism
+    4 d + 4 + (12 d + h)/N, with sequence parallelism 2 d + (14 d + 4 + h)/N
+    (chapter 13's formulas, as DTensor keeps them). A device holds one
+    micro-batch's positions, of its share of the batch (data, FSDP) or of
+    the whole batch (tensor), in all L blocks; a pipeline's first stage, the
+    fullest under 1F1B, holds min(m, N) micro-batches in its L/N blocks.
+    With ``plan.recompute`` each block keeps only its input (d per position,
+    d/N with sequence parallelism), plus one block's full activations while
+    the backward pass recomputes it.
+    """
+    n, d, h = processes, model.n_embd, model.n_head
+    sequences = _sequences_per_part(model, plan, n)
+    if plan.layout == "pipeline":
+        sequences = model.batch_size / plan.microbatches
+    positions = sequences * model.seq_len
+    blocks, in_flight = model.n_layer, 1
+    if plan.layout == "pipeline":
+        blocks, in_flight = model.n_layer / n, min(plan.microbatches, n)
+    if plan.layout != "tensor":
+        whole, kept = 16 * d + 4 + h, d
+    elif plan.sequence_parallel:
+        whole, kept = 2 * d + (14 * d + 4 + h) / n, d / n
+    else:
+        whole, kept = 4 * d + 4 + (12 * d + h) / n, d
+    per_position = in_flight * blocks * (kept if plan.recompute else whole)
+    if plan.recompute:
+        per_position += whole  # the block being recomputed, one micro-batch
+    return per_position * positions * model.dtype_bytes
+
+
+def memory_bytes(model: GPTWorkload, plan: Plan, processes: int) -> dict[str, float]:
+    """Bytes per device: ``"state"`` (``model_state_bytes``), ``"activations"``
+    (``saved_activation_bytes``) and their ``"total"``. Left out: temporaries, the
+    gradients in flight, the parameters FSDP gathers, the logits and the
+    allocator's cache, which real runs add on top."""
+    state = model_state_bytes(model, plan.layout, processes)
+    activations = saved_activation_bytes(model, plan, processes)
+    return {"state": state, "activations": activations, "total": state + activations}

@@ -21,7 +21,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
 
-from companion.parallel_costs import DeviceAndLink, GPTWorkload, step_costs
+from companion.parallel_costs import DeviceAndLink, GPTWorkload, Plan, step_costs
 from companion.plotting import new_axes
 
 __all__ = [
@@ -122,7 +122,7 @@ def pass_legend(fig: Figure, *, interleaved: bool = False) -> None:
 
 def plot_step_costs(
     model: GPTWorkload,
-    plans: Mapping[str, tuple[str, int, bool]],
+    plans: Mapping[str, Plan],
     *,
     flops: float,
     latency: float,
@@ -133,25 +133,21 @@ def plot_step_costs(
 ) -> Axes:
     """The predicted step time of each plan against the link's bandwidth.
 
-    ``plans`` maps a label to ``(layout, micro-batches, overlap)`` for
-    ``step_costs``; ``marks`` draws a vertical line at named bandwidths.
+    ``plans`` maps a label to a ``Plan`` for ``step_costs`` (dashed where
+    it overlaps its traffic); ``marks`` draws a vertical line at named
+    bandwidths.
     """
     if ax is None:
         (ax,) = new_axes(width=7.5, height=3.6)
     x = [bw / 1e9 for bw in bandwidths]
-    for i, (label, (layout, m, overlap)) in enumerate(plans.items()):
+    for i, (label, plan) in enumerate(plans.items()):
         seconds = [
             step_costs(
-                model,
-                DeviceAndLink("link", flops, bw, latency),
-                layout,
-                processes,
-                m,
-                overlap=overlap,
+                model, DeviceAndLink("link", flops, bw, latency), plan, processes
             )["total"]
             for bw in bandwidths
         ]
-        ax.plot(x, seconds, "--" if overlap else "-", color=f"C{i}", label=label)
+        ax.plot(x, seconds, "--" if plan.overlap else "-", color=f"C{i}", label=label)
     for name, bw in marks.items():
         ax.axvline(bw / 1e9, color="grey", linewidth=0.8, linestyle=":")
         ax.annotate(

@@ -66,10 +66,13 @@ def test_ddp_train_on_the_gpu_computes_what_it_computes_on_the_cpu(tmp_path):
         assert (a - b).abs().max().item() < 1e-10
 
 
-def test_a_recorded_snapshot_agrees_with_the_allocators_statistics():
+def test_a_recorded_snapshot_agrees_with_the_allocators_statistics(tmp_path):
     """A tensor made in a phase shows up in the snapshot's walk with the bytes
     it asked for, and freeing it brings the walk back where it began; the
-    allocator's own statistics count its block, rounded up to 512 bytes."""
+    allocator's own statistics count its block, rounded up to 512 bytes. The
+    file written for the memory viewer holds the trace, with stacks."""
+    import pickle
+
     from companion.memory import cuda_memory, record_snapshot
 
     kept = {}
@@ -77,8 +80,12 @@ def test_a_recorded_snapshot_agrees_with_the_allocators_statistics():
         {
             "make": lambda: kept.update(t=torch.empty(1000, device="cuda")),
             "free": lambda: kept.clear(),
-        }
+        },
+        path=tmp_path / "snapshot.pickle",
     )
+    written = pickle.loads((tmp_path / "snapshot.pickle").read_bytes())
+    allocs = [e for e in written["device_traces"][0] if e["action"] == "alloc"]
+    assert any(e["size"] == 4000 and e["frames"] for e in allocs)  # with its stack
     after = cuda_memory()
     assert timeline.reserved[-1] == after["reserved"]
     assert timeline.at_end_of("make") - timeline.allocated[0] == 4000  # 1,000 floats

@@ -13,6 +13,7 @@ from companion.devices import cpu_count
 from companion.hardware import (
     UNKNOWN,
     bf16_matmul_support,
+    bf16_matmul_units,
     cpu_flags,
     MachineLimits,
     PeakEstimate,
@@ -40,6 +41,33 @@ def test_read_cpu_clock_prefers_sysfs_then_cpuinfo(tmp_path):
     assert read_cpu_clock(cpufreq, cpuinfo) == (2.6, "current clock from /proc/cpuinfo")
     cpuinfo.write_text("cpu MHz\t\t: 0.000\n")
     assert read_cpu_clock(cpufreq, cpuinfo)[0] is None
+
+
+@pytest.mark.parametrize(
+    "capability, expected",
+    [
+        ((7, 0), None),  # a V100: is_bf16_supported() says True, by emulation
+        ((7, 5), None),  # a T4, the same
+        ((8, 0), "tensor cores (compute capability 8.0)"),  # an A100
+        ((9, 0), "tensor cores (compute capability 9.0)"),  # an H100
+    ],
+)
+def test_bf16_units_of_a_gpu_follow_its_compute_capability(
+    capability, expected, monkeypatch
+):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: capability)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert bf16_matmul_units("cuda:0") == expected
+
+
+def test_bf16_units_of_a_cpu_are_its_flags(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("flags\t\t: fpu avx2 avx512_bf16\n")
+    assert bf16_matmul_units("cpu", cpuinfo) == "avx512_bf16"
+    cpuinfo.write_text("flags\t\t: fpu avx2\n")
+    assert bf16_matmul_units(torch.device("cpu"), cpuinfo) is None
+    assert bf16_matmul_units("cpu", tmp_path / "none") == UNKNOWN
+    assert bf16_matmul_units("meta") == UNKNOWN
 
 
 def test_cpu_flags_and_bf16_support(tmp_path):

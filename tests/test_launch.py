@@ -87,6 +87,15 @@ def test_a_script_that_writes_no_results_is_an_error():
         launch(ECHO, ["--skip-results"], nproc=None, timeout=60)
 
 
+def test_a_check_that_missed_returns_its_results_only_when_allowed():
+    with pytest.raises(LaunchError, match="exit code 3; its last line: echo_env: "):
+        launch(ECHO, ["--miss"], nproc=None, timeout=60)
+    out = launch(ECHO, ["--miss"], nproc=None, timeout=60, allow_misses=True)
+    assert out["argv"] == []  # the results it wrote before it exited with 3
+    with pytest.raises(LaunchError, match="exit code 3"):  # no results: an error
+        launch(ECHO, ["--miss", "--skip-results"], nproc=None, allow_misses=True)
+
+
 @pytest.mark.parametrize("nproc", [0, -1, 1.5, True])
 def test_a_bad_process_count_is_one_sentence(nproc):
     with pytest.raises(

@@ -364,24 +364,45 @@ def test_a_snapshot_becomes_allocated_and_reserved_bytes_per_event() -> None:
     assert timeline.at_end_of("optimizer step") == 3 * kib  # what the live block asked
 
 
-def test_recording_a_snapshot_counts_the_events_of_each_phase(monkeypatch) -> None:
+def test_expandable_segments_grow_the_reserved_bytes_by_mapping() -> None:
+    """With expandable_segments, a segment grows by segment_map, shrinks by
+    segment_unmap, and no segment_alloc appears."""
+    mib = 2**20
+    trace = [
+        {"action": "segment_map", "addr": 0, "size": 20 * mib},
+        {"action": "alloc", "addr": 0, "size": 4 * mib},
+        {"action": "free_completed", "addr": 0, "size": 4 * mib},
+        {"action": "segment_unmap", "addr": 0, "size": 18 * mib},
+    ]
+    segments = [{"device": 0, "total_size": 2 * mib, "blocks": []}]
+    snapshot = {"segments": segments, "device_traces": [trace]}
+    timeline = snapshot_timeline(snapshot, {"step": 4})
+    assert timeline.reserved == [0, 20 * mib, 20 * mib, 20 * mib, 2 * mib]
+    assert timeline.allocated == [0, 0, 4 * mib, 0, 0]
+
+
+def test_recording_a_snapshot_counts_the_events_of_each_phase(
+    monkeypatch, tmp_path
+) -> None:
     """The CUDA calls, replaced: each phase appends events to a fake trace."""
     snapshot, _ = synthetic_snapshot()
     full = snapshot["device_traces"][0]
     trace: list[dict] = []
-    calls = []
+    calls, settings, dumped = [], [], []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(
-        torch.cuda.memory,
-        "_record_memory_history",
-        lambda enabled="all", **kwargs: calls.append(enabled),
-    )
+
+    def record(enabled="all", **kwargs) -> None:
+        calls.append(enabled)
+        settings.append(kwargs)
+
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", record)
     monkeypatch.setattr(
         torch.cuda.memory,
         "_snapshot",
         lambda device=None: {**snapshot, "device_traces": [list(trace), []]},
     )
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", dumped.append)
     phases = {
         "forward": lambda: trace.extend(full[:3]),
         "backward": lambda: trace.extend(full[3:6]),
@@ -389,7 +410,12 @@ def test_recording_a_snapshot_counts_the_events_of_each_phase(monkeypatch) -> No
     }
     timeline = record_snapshot(phases, "cuda:0")
     assert calls == ["all", None]  # recording switched on, then off
+    assert settings[0]["context"] == "all" and settings[0]["stacks"] == "python"
     assert timeline == snapshot_timeline(*synthetic_snapshot())
+    assert dumped == []  # no path, no file
+    trace.clear()
+    record_snapshot(phases, "cuda:0", path=tmp_path / "step.pickle")
+    assert dumped == [str(tmp_path / "step.pickle")]  # for pytorch.org/memory_viz
     calls.clear()
     with pytest.raises(RuntimeError, match="out of memory"):
         record_snapshot({"forward": lambda: (_ for _ in ()).throw(RuntimeError(

@@ -9,15 +9,24 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from companion.gpt import GPT, CharText, GPTConfig, lm_loss
+from companion.gpt import (
+    GPT,
+    CharText,
+    GPTConfig,
+    lm_loss,
+    saved_activation_bytes_formula,
+)
 from companion.notebook import CourseError
 from companion.parallel_costs import (
     DeviceAndLink,
     GPTWorkload,
+    Plan,
     bubble_fraction,
+    memory_bytes,
     model_state_bytes,
     replay_schedule,
     ring_all_reduce_seconds,
+    saved_activation_bytes,
     step_costs,
     timeline_bubble,
 )
@@ -60,45 +69,89 @@ def test_ring_all_reduce() -> None:
 def test_step_costs_on_an_ideal_link_divide_the_compute() -> None:
     model = GPTWorkload(n_layer=4, n_embd=64, seq_len=64, batch_size=8)
     alone = model.step_flops / FAST.flops
-    for layout in ("data", "tensor"):
-        costs = step_costs(model, FAST, layout, 4)
+    for layout in ("data", "fsdp", "tensor"):
+        costs = step_costs(model, FAST, Plan(layout), 4)
         assert costs["total"] == pytest.approx(alone / 4)
         assert costs["communication"] == costs["bubble"] == 0
-    pipe = step_costs(model, FAST, "pipeline", 4, microbatches=8)
+    pipe = step_costs(model, FAST, Plan("pipeline", 8), 4)
     assert pipe["compute"] == pytest.approx(alone / 4)
     # 8 micro-batches of work in 11 slots: the bubble is 3 slots.
     assert pipe["bubble"] == pytest.approx(alone / 4 * 3 / 8)
+    # Recomputation runs the forward pass again: a third more compute.
+    again = step_costs(model, FAST, Plan("fsdp", recompute=True), 4)
+    assert again["compute"] == pytest.approx(alone / 4 * 4 / 3)
 
 
 def test_step_costs_count_the_bytes() -> None:
     model = GPTWorkload(n_layer=2, n_embd=8, seq_len=4, batch_size=2, dtype_bytes=4)
     hw = DeviceAndLink("slow", flops=float("inf"), bandwidth=1000.0, latency=0.01)
     # data: the 12 * 2 * 64 parameters' 4 bytes, all-reduced over 2 devices.
-    assert step_costs(model, hw, "data", 2)["total"] == pytest.approx(
+    assert step_costs(model, hw, Plan("data"), 2)["total"] == pytest.approx(
         6144 / 1000 + 2 * 0.01
     )
     # tensor: 4 all-reduces of 2 x 4 x 8 x 4 = 256 bytes per block.
-    assert step_costs(model, hw, "tensor", 2)["total"] == pytest.approx(
+    assert step_costs(model, hw, Plan("tensor"), 2)["total"] == pytest.approx(
         8 * (256 / 1000 + 2 * 0.01)
     )
     # pipeline, 4 micro-batches of 4 sequences: a quarter of the 4 x 4 x 8 x 4
     # bytes of activations across 1 boundary, each way.
     four = GPTWorkload(n_layer=2, n_embd=8, seq_len=4, batch_size=4, dtype_bytes=4)
-    assert step_costs(four, hw, "pipeline", 2, microbatches=4)[
+    assert step_costs(four, hw, Plan("pipeline", 4), 2)[
         "communication"
     ] == pytest.approx(2 * (128 / 1000 + 0.01))
     with pytest.raises(CourseError, match="not 'expert'"):
-        step_costs(model, hw, "expert", 2)
+        Plan("expert")
 
 
-def test_step_costs_refuse_more_micro_batches_than_sequences() -> None:
+def test_gradients_move_in_their_own_dtype() -> None:
+    """bfloat16 weights are gathered in 2 bytes, float32 gradients reduced in 4."""
+    mixed = GPTWorkload(2, 8, 4, 4, dtype_bytes=2, grad_bytes=4)
+    hw = DeviceAndLink("slow", flops=float("inf"), bandwidth=1000.0, latency=0.0)
+    P = 12 * 2 * 64
+    # DDP all-reduces 4-byte gradients; FSDP gathers 2-byte weights twice and
+    # reduce-scatters 4-byte gradients: 2 x 2 + 4 = 8 bytes, (N - 1)/N each.
+    assert step_costs(mixed, hw, Plan("data"), 4)["total"] == pytest.approx(
+        2 * 3 / 4 * 4 * P / 1000
+    )
+    assert step_costs(mixed, hw, Plan("fsdp"), 4)["communication"] == pytest.approx(
+        3 / 4 * 8 * P / 1000
+    )
+
+
+def test_accumulation_multiplies_fsdps_gathers_and_tps_messages_only() -> None:
+    model = GPTWorkload(n_layer=2, n_embd=8, seq_len=4, batch_size=8, dtype_bytes=2)
+    hw = DeviceAndLink("slow", flops=1e6, bandwidth=1000.0, latency=0.01)
+    one, four = (Plan("fsdp", k) for k in (1, 4))
+    assert step_costs(model, hw, four, 2)["communication"] == pytest.approx(
+        4 * step_costs(model, hw, one, 2)["communication"]
+    )
+    for layout in ("data", "tensor"):  # the same bytes; tensor: 4x the messages
+        a, b = (step_costs(model, hw, Plan(layout, k), 2) for k in (1, 4))
+        latency = 0 if layout == "data" else 3 * 4 * 2 * 2 * 0.01
+        assert b["communication"] - a["communication"] == pytest.approx(latency)
+    # Recomputing a tensor-parallel block repeats its forward all-reduces.
+    a, b = (step_costs(model, hw, Plan("tensor", recompute=r), 2) for r in (0, 1))
+    assert b["communication"] == pytest.approx(1.5 * a["communication"])
+
+
+def test_plans_refuse_more_micro_batches_than_sequences() -> None:
     model = GPTWorkload(n_layer=2, n_embd=8, seq_len=4, batch_size=8)
-    assert step_costs(model, FAST, "pipeline", 2, microbatches=8)["bubble"] > 0
+    assert step_costs(model, FAST, Plan("pipeline", 8), 2)["bubble"] > 0
     with pytest.raises(
         CourseError,
         match=r"^9 micro-batches cannot split a batch of 8 sequences; use at most 8\.$",
     ):
-        step_costs(model, FAST, "pipeline", 2, microbatches=9)
+        step_costs(model, FAST, Plan("pipeline", 9), 2)
+    with pytest.raises(
+        CourseError,
+        match=r"^4 micro-batches cannot split a batch of 8 sequences over 4 "
+        r"devices; use at most 2\.$",
+    ):
+        memory_bytes(model, Plan("fsdp", 4), 4)
+    with pytest.raises(CourseError, match="at least 1 micro-batch, not 0"):
+        Plan("data", 0)
+    with pytest.raises(CourseError, match="the fsdp layout has none to split"):
+        Plan("fsdp", sequence_parallel=True)
 
 
 def gpipe_events(p: int, m: int) -> list[list[list]]:
@@ -158,16 +211,16 @@ def test_an_impossible_order_is_one_sentence() -> None:
 
 
 def test_fsdp_sends_one_and_a_half_all_reduces_and_overlap_hides_them() -> None:
-    model = GPTWorkload(n_layer=2, n_embd=8, seq_len=4, batch_size=2, dtype_bytes=4)
+    model = GPTWorkload(n_layer=2, n_embd=8, seq_len=4, batch_size=4, dtype_bytes=4)
     hw = DeviceAndLink("slow", flops=1e6, bandwidth=1000.0, latency=0.01)
-    data = step_costs(model, hw, "data", 4)
-    fsdp = step_costs(model, hw, "fsdp", 4)
+    data = step_costs(model, hw, Plan("data"), 4)
+    fsdp = step_costs(model, hw, Plan("fsdp"), 4)
     assert fsdp["communication"] == pytest.approx(1.5 * data["communication"])
-    hidden = step_costs(model, hw, "fsdp", 4, overlap=True)
+    hidden = step_costs(model, hw, Plan("fsdp", overlap=True), 4)
     assert hidden["total"] == pytest.approx(max(fsdp["compute"], fsdp["communication"]))
     # Tensor parallelism's all-reduces cannot hide: overlap changes nothing.
-    assert step_costs(model, hw, "tensor", 4, overlap=True) == step_costs(
-        model, hw, "tensor", 4
+    assert step_costs(model, hw, Plan("tensor", overlap=True), 4) == step_costs(
+        model, hw, Plan("tensor"), 4
     )
 
 
@@ -178,6 +231,45 @@ def test_model_state_bytes() -> None:
         assert model_state_bytes(model, layout, 4) == 4 * 1536
     with pytest.raises(CourseError, match="not 'expert'"):
         model_state_bytes(model, "expert", 4)
+
+
+def test_activations_follow_chapter_12s_formula_with_fused_attention() -> None:
+    """One device of data parallelism keeps what the course's GPT saves for its
+    share of the batch, in its blocks (companion.gpt's formula, sdpa=True)."""
+    config = GPTConfig(n_layer=3, n_head=4, n_embd=32, block_size=16, sdpa=True)
+    model = GPTWorkload(3, 32, 16, batch_size=8, dtype_bytes=2, n_head=4)
+    blocks = saved_activation_bytes_formula(config, 2, 16, dtype_bytes=2)["blocks"]
+    assert saved_activation_bytes(model, Plan("data"), 4) == blocks  # 8 / 4 sequences
+    assert saved_activation_bytes(model, Plan("fsdp", 2), 4) == blocks / 2
+
+
+def test_activations_of_each_layout() -> None:
+    d, h, n, T, B, L = 64, 4, 2, 8, 4, 4
+    model = GPTWorkload(L, d, T, B, dtype_bytes=1, n_head=h)
+    positions = B * T
+    tensor = saved_activation_bytes(model, Plan("tensor"), n)
+    assert tensor == positions * L * (4 * d + 4 + (12 * d + h) / n)
+    sp = saved_activation_bytes(model, Plan("tensor", sequence_parallel=True), n)
+    assert sp == positions * L * (2 * d + (14 * d + 4 + h) / n)
+    # 1F1B's first stage: min(m, p) micro-batches of B/m sequences, L/p blocks.
+    pipe = saved_activation_bytes(model, Plan("pipeline", 4), n)
+    assert pipe == 2 * (positions / 4) * (L / 2) * (16 * d + 4 + h)
+    # Recomputation: each block's input, and one block whole.
+    again = saved_activation_bytes(model, Plan("data", recompute=True), n)
+    assert again == positions / n * (L * d + 16 * d + 4 + h)
+    both = saved_activation_bytes(model, Plan("tensor", sequence_parallel=True,
+                                        recompute=True), n)  # fmt: skip
+    assert both == positions * (L * d / n + 2 * d + (14 * d + 4 + h) / n)
+
+
+def test_memory_adds_state_and_activations() -> None:
+    model = GPTWorkload(32, 4096, 4096, 32, dtype_bytes=2, n_head=32)
+    fsdp = memory_bytes(model, Plan("fsdp"), 8)
+    assert fsdp["state"] == 16 * model.parameters / 8
+    # 4 sequences of 4096 per GPU: about 69 GB of activations, 81.6 GB in all.
+    assert fsdp["activations"] / 1e9 == pytest.approx(68.76, abs=0.01)
+    assert fsdp["total"] == fsdp["state"] + fsdp["activations"]
+    assert fsdp["total"] / 1e9 == pytest.approx(81.64, abs=0.01)
 
 
 def test_the_checks_can_import_the_formulas_without_matplotlib() -> None:

@@ -9,7 +9,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pytest
 
-from companion.parallel_costs import GPTWorkload
+from companion.parallel_costs import GPTWorkload, Plan
 from companion.parallel_plots import (
     pass_legend,
     plot_pipeline_timeline,
@@ -81,7 +81,7 @@ def test_the_diagrams_name_their_parts() -> None:
 
 def test_the_cost_figure_draws_one_line_per_plan() -> None:
     model = GPTWorkload(n_layer=2, n_embd=64, seq_len=64, batch_size=8)
-    plans = {"data": ("data", 1, False), "FSDP, overlapped": ("fsdp", 1, True)}
+    plans = {"data": Plan("data"), "FSDP, overlapped": Plan("fsdp", overlap=True)}
     ax = plot_step_costs(
         model,
         plans,

@@ -13,6 +13,8 @@ script and of ``companion/checks/fsdp_memory.py``:
   one more before backward if it resharded after forward (the root only when
   told explicitly), one reduce-scatter of the gradients; none alone; with
   mixed precision, gathered in bfloat16 (2 bytes) and reduced in float32 (4);
+  in 2 micro-batches twice the all-gathers, and the reduce-scatters once
+  (the whole model's gradients held between the parts) or twice (a shard);
 - each rank's peak during a step: at least its shards, Adam's state and its
   micro-batch's saved activations (the course's formula), and less than a
   further four copies of the whole model's parameters;
@@ -53,6 +55,8 @@ pytestmark = pytest.mark.timeout(180)
 NAME, CHECK = "fsdp_gpt.py", "checks/fsdp_memory.py"
 TOL = 1e-10  # float64; measured differences are about 1e-16
 SETTINGS = ("on", "off", "all-on", "on, bf16")
+ACCUMULATION = {"on, 2 parts, sync last": "last", "on, 2 parts, sync each": "each"}
+CHECKS = {"memory": True, "communication": True, "losses": True, "accumulation": True}
 
 
 def unit_shapes(config: dict) -> dict[str, list[tuple[int, ...]]]:
@@ -112,6 +116,23 @@ def expected_communication(config: dict, n: int, setting: str, b: int = 8) -> tu
     }, unsharded
 
 
+def expected_accumulation(config: dict, n: int, sync: str, b: int = 8) -> tuple:
+    """(collectives of one step in 2 micro-batches, the bytes held between them)."""
+    once, _ = expected_communication(config, n, "on", b)
+    shapes = [s for unit in unit_shapes(config).values() for s in unit]
+    whole = b * sum(math.prod(s) for s in shapes)  # unsharded gradients
+    padded = b * sum(-(-s[0] // n) * math.prod(s[1:]) for s in shapes)
+    held = (whole if sync == "last" else padded) + b  # and the first part's loss
+    if n == 1:
+        return {}, held
+    reduces = 2 if sync == "each" else 1
+    gather, scatter = once["all-gather"], once["reduce-scatter"]
+    return {
+        "all-gather": {k: 2 * v for k, v in gather.items()},
+        "reduce-scatter": {k: reduces * v for k, v in scatter.items()},
+    }, held
+
+
 def damaged(folder: Path, name: str = NAME) -> str:
     """The one sentence for a checkpoint that DCP cannot read."""
     return (
@@ -143,11 +164,19 @@ def assert_measurements_match(out: dict) -> None:
         )
         assert comm["unsharded_bytes_after_forward"] == unsharded, (setting, comm)
         assert comm["same_on_every_rank"]
+    # One process has nothing to reduce: the check counts no accumulation.
+    assert (set(ACCUMULATION) <= out["communication"].keys()) == (n > 1)
+    for setting, sync in ACCUMULATION.items() if n > 1 else ():
+        comm = out["communication"][setting]
+        collectives, held = expected_accumulation(config, n, sync)
+        assert comm["per_step"] == [collectives], (setting, comm)
+        held_per_rank = comm["gradient_bytes_between_microbatches_per_rank"]
+        assert held_per_rank == [held] * n, (setting, comm)  # padded: the same
     assert_losses_match(out, out["steps"][0], len(out["steps"]))
     assert out["reference_losses"] == pytest.approx(
         reference_losses(out["steps"][-1] + 1)[out["steps"][0] :], abs=TOL
     )
-    assert out["checks"] == {"memory": True, "communication": True, "losses": True}
+    assert out["checks"] == CHECKS
     assert out["cuda_peak_bytes_per_rank"] is None  # no GPU here
     assert_peaks_plausible(out)
 
@@ -194,7 +223,13 @@ def test_the_checks_formulas_match_the_lists_here(n) -> None:
         assert predicted == {
             "collectives": collectives,
             "unsharded_bytes_after_forward": unsharded,
+            "gradient_bytes_between_microbatches": None,
         }
+    for setting, sync in ACCUMULATION.items():
+        predicted = fsdp_memory.predict_communication(units, n, 8, setting)
+        collectives, held = expected_accumulation(config, n, sync)
+        assert predicted["collectives"] == collectives
+        assert predicted["gradient_bytes_between_microbatches"] == held
 
 
 @pytest.fixture(scope="module")
@@ -253,13 +288,19 @@ def test_two_processes_match_one_process_every_formula_and_both_checkpoints(
     save = out["checkpoint"]["save"]
     assert save["dcp"]["held_bytes_per_rank"] == shards
     assert save["gathered"]["held_bytes_per_rank"] == [full, 0]
+    tensors = 4 * out["n_param_tensors"]  # parameter, exp_avg, exp_avg_sq, step
+    assert save["dcp"]["tensors_per_rank"] == [tensors, tensors]
+    assert save["gathered"]["tensors_per_rank"] == [tensors, 0]
     assert [f["name"] for f in save["gathered"]["files"]] == ["full_state.pt"]
 
 
 def test_the_script_alone_resumes_what_two_processes_saved(two) -> None:
-    """The script itself, under plain python: it reshards the 2 ranks' checkpoint."""
+    """The script itself, under plain python: it reshards the 2 ranks' checkpoint
+    (and accumulates the gradients of 2 micro-batches, which changes only the
+    rounding)."""
     _, ckpt = two
-    out = launch(NAME, ["--steps", "2", "--load", ckpt], nproc=None, timeout=90)
+    args = ["--steps", "2", "--load", ckpt, "--microbatches", "2"]
+    out = launch(NAME, args, nproc=None, timeout=90)
     assert out["device"] == "cpu" and out["backend"] == "gloo"
     assert_losses_match(out, 3, 2)
 
@@ -323,6 +364,15 @@ def test_a_checkpoints_sizes_cannot_change(two, monkeypatch, capsys) -> None:
             "--seq-len 65 must be 1 to --block-size, under 856.",
         ),
         (["--n-head", "3"], 1, "--n-embd 64 is not a multiple of --n-head 3."),
+        (
+            ["--microbatches", "3"],
+            2,
+            (
+                "--batch-size 8 does not split into 3 equal micro-batches on each "
+                "of 2 processes; use a multiple of 6."
+            ),
+        ),
+        (["--microbatches", "0"], 1, "--microbatches must be at least 1, not 0."),
     ],
 )
 def test_bad_input_is_one_sentence(
@@ -434,5 +484,5 @@ def test_the_check_runs_on_two_simulated_gpus(tmp_path) -> None:
     args = ["--steps", "2", "--save", tmp_path / "ckpt"]
     out = on_simulated_gpus("checks/fsdp_memory.py", args, nproc=2, timeout=170)
     assert (out["device"], out["backend"]) == ("cuda", "nccl")
-    assert out["checks"] == {"memory": True, "communication": True, "losses": True}
+    assert out["checks"] == CHECKS
     assert len(out["cuda_peak_bytes_per_rank"]) == 2  # 0 each: a simulated GPU

@@ -17,13 +17,20 @@ functions, and measures:
   FSDP2, which keeps it), "off" and "all-on" (the root too), and for "on"
   with FSDP2's mixed precision ("on, bf16": gathered in bfloat16, reduced
   in float32), against their formulas; one process makes no collective;
+- with two or more processes, gradient accumulation over 2 parts of each
+  rank's slice, with the "on" sharding: its collectives, reduce-scattered
+  after the last part or after each, and the bytes live as the second
+  part's forward pass begins beyond those as the first began: the whole,
+  unsharded gradients (sync last) or this rank's padded shard of them
+  (sync each), and the first part's loss;
 - each rank's peak during the last step: the bytes of its live tensors
   (``companion.memory.LiveTensors``: shards, Adam's state, gathered
   parameters, activations, gradients), and on CUDA the allocator's
   ``max_memory_allocated`` over the same step;
-- with ``--save``, the script's two saves: the seconds on rank 0, the bytes
-  of tensors each rank holds in the state it saves, the growth of rank 0's
-  peak resident memory (``ru_maxrss``, KiB) and, on CUDA, the peak allocated;
+- with ``--save``, the script's two saves: the seconds on rank 0, the
+  tensors each rank holds in the state it saves and their bytes, the files
+  written, the growth of rank 0's peak resident memory (``ru_maxrss``, KiB)
+  and, on CUDA, the peak allocated;
 - the losses against the plain model trained by rank 0 in one process from
   step 0 (``companion.gpt.plain_losses``); with ``--mixed-precision`` they
   differ by bfloat16's rounding, so give a ``--tolerance`` such as 0.05.
@@ -31,7 +38,7 @@ functions, and measures:
 Writes rank 0's results (``--results FILE``) for chapter 12. Exit codes: 0
 every measurement meets its formula; 3 one missed, said in one sentence; 2 bad
 input; 1 crashed. The formulas describe FSDP2 as torch 2.10 to 2.14 implement
-it (counts verified on both).
+it (counts verified on both; the accumulation's on 2.14).
 """
 
 from __future__ import annotations
@@ -67,8 +74,19 @@ SETTINGS = {
     "all-on": (True, True, None),
     "on, bf16": (True, None, "bf16"),
 }
+# Gradient accumulation, with the "on" sharding: micro-batches per rank and
+# step, and whether the gradients are reduce-scattered after the last or each.
+ACCUMULATION = {
+    "on, 2 parts, sync last": (2, "last"),
+    "on, 2 parts, sync each": (2, "each"),
+}
 GATHER_BYTES = {"bf16": 2}  # bytes per element gathered and computed with
 REDUCE_BYTES = {"bf16": 4}  # bytes per element reduce-scattered with
+
+
+def counted_settings(world_size: int) -> tuple[str, ...]:
+    """The settings a run counts: accumulation's only with something to reduce."""
+    return (*SETTINGS, *(ACCUMULATION if world_size > 1 else ()))
 
 
 def units_of(model: nn.Module) -> list[dict]:
@@ -148,16 +166,21 @@ def zero_formulas(n_params: int, n_tensors: int, world_size: int, b: int) -> dic
 
 
 def predict_communication(units: list[dict], n: int, b: int, setting: str) -> dict:
-    """Collectives of one training step, and the unsharded bytes after forward.
+    """Collectives of one training step, the unsharded bytes after forward and,
+    with gradient accumulation, the gradient bytes held between micro-batches.
 
     Unit u's padded shard has S_u elements; its all-gather sends S_u and
     receives N S_u, its reduce-scatter sends N S_u and keeps S_u. Every unit
     all-gathers before forward; a unit that resharded after forward gathers
     again before backward. Elements are b bytes, or with mixed precision
-    2 gathered (bfloat16) and 4 reduced (float32). One process: no
-    collectives.
+    2 gathered (bfloat16) and 4 reduced (float32). In K micro-batches each
+    unit gathers K times as often, and reduce-scatters K times (sync each)
+    or once (sync last: until then every rank adds up the whole, unsharded
+    gradients, the model's P b bytes, where sync each holds its padded
+    shards). One process: no collectives.
     """
-    blocks, root, mixed = SETTINGS[setting]
+    blocks, root, mixed = SETTINGS.get(setting, SETTINGS["on"])
+    k, sync = ACCUMULATION.get(setting, (1, "each"))
     gather_b, reduce_b = GATHER_BYTES.get(mixed, b), REDUCE_BYTES.get(mixed, b)
     numel = {
         u["name"]: sum(padded_shard(p["shape"], n) for p in u["parameters"])
@@ -167,9 +190,19 @@ def predict_communication(units: list[dict], n: int, b: int, setting: str) -> di
     grads = {name: reduce_b * s for name, s in numel.items()}  # reduced
     resharded = {name: bool(root if name == "root" else blocks) for name in shard}
     kept = sum(n * s for name, s in shard.items() if not resharded[name])
+    whole = reduce_b * sum(
+        math.prod(p["shape"]) for u in units for p in u["parameters"]
+    )
+    # And the first part's loss, one element of b bytes, kept for the step's.
+    held = {"last": whole, "each": sum(grads.values())}[sync] + b if k > 1 else None
     if n == 1:
-        return {"collectives": {}, "unsharded_bytes_after_forward": kept}
-    gathers = {name: 2 if resharded[name] else 1 for name in shard}
+        return {
+            "collectives": {},
+            "unsharded_bytes_after_forward": kept,
+            "gradient_bytes_between_microbatches": held,
+        }
+    gathers = {name: k * (2 if resharded[name] else 1) for name in shard}
+    reduces = k if sync == "each" else 1
     return {
         "collectives": {
             "all-gather": {
@@ -178,12 +211,13 @@ def predict_communication(units: list[dict], n: int, b: int, setting: str) -> di
                 "output_bytes": sum(gathers[u] * n * s for u, s in shard.items()),
             },
             "reduce-scatter": {
-                "calls": len(grads),
-                "input_bytes": sum(n * s for s in grads.values()),
-                "output_bytes": sum(grads.values()),
+                "calls": reduces * len(grads),
+                "input_bytes": reduces * sum(n * s for s in grads.values()),
+                "output_bytes": reduces * sum(grads.values()),
             },
         },
         "unsharded_bytes_after_forward": kept,
+        "gradient_bytes_between_microbatches": held,
     }
 
 
@@ -204,30 +238,47 @@ def held_at_start(model: nn.Module, optimizer, *batch: torch.Tensor) -> LiveTens
     return LiveTensors([*params, *grads, *state, *batch])
 
 
-def train_counted(model: nn.Module, optimizer, batches: list, device) -> dict:
-    """Train with fsdp_gpt's ``train_step``; count every step's collectives, the
-    unsharded bytes between the first forward and its backward, the state's
-    bytes after the first step, while the gradients exist, and the peak of the
-    last step (with Adam's state, from the second step on)."""
-    run: dict[str, Any] = {"losses": [], "per_step": []}
+def train_counted(
+    model: nn.Module,
+    optimizer,
+    batches: list,
+    device,
+    accumulation: tuple[int, str] = (1, "last"),
+) -> dict:
+    """Train with fsdp_gpt's ``train_step`` (in ``accumulation``'s micro-batches
+    and sync); count every step's collectives, the unsharded bytes between the
+    first forward and its backward, the state's bytes after the first step,
+    while the gradients exist, and the peak of the last step (with Adam's
+    state, from the second step on), and in it the bytes live as each
+    micro-batch's forward pass begins."""
+    run: dict[str, Any] = {"losses": [], "per_step": [], "live_at_forward": []}
+    tensors: LiveTensors | None = None
+
+    def before_forward(*_: object) -> None:
+        if tensors is not None:
+            run["live_at_forward"].append(tensors.live)
 
     def after_forward(*_: object) -> None:  # after FSDP2's own post-forward hook
         run.setdefault("after_forward", unsharded_parameter_bytes(model))
 
-    hook = model.register_forward_hook(after_forward)
+    hooks = [
+        model.register_forward_pre_hook(before_forward),
+        model.register_forward_hook(after_forward),
+    ]
     for i, (x, y) in enumerate(batches):
         last = i == len(batches) - 1
         tensors = held_at_start(model, optimizer, x, y) if last else None
         if last and device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         with CollectiveCounter() as counter, tensors or contextlib.nullcontext():
-            loss = fsdp_gpt.train_step(model, optimizer, x, y)
+            loss = fsdp_gpt.train_step(model, optimizer, x, y, *accumulation)
         if tensors is not None:
             run["peak"] = {"step": i, "bytes": tensors.peak, "cuda": cuda_peak(device)}
         run["per_step"].append(counter.total())
         run.setdefault("state", measure_state(model, optimizer))
         run["losses"].append(fsdp_gpt.mean_over_ranks(loss))
-    hook.remove()
+    for hook in hooks:
+        hook.remove()
     return run
 
 
@@ -256,13 +307,18 @@ def cuda_peak(device: torch.device) -> int | None:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
 
+def held_tensors(state: Any) -> list[torch.Tensor]:
+    """The tensors in a (nested) state dict."""
+    if isinstance(state, dict):
+        return [t for v in state.values() for t in held_tensors(v)]
+    if isinstance(state, (list, tuple)):
+        return [t for v in state for t in held_tensors(v)]
+    return [state] if isinstance(state, torch.Tensor) else []
+
+
 def held_bytes(state: Any) -> int:
     """Bytes of the tensors in a (nested) state dict, local shards for DTensors."""
-    if isinstance(state, dict):
-        return sum(held_bytes(v) for v in state.values())
-    if isinstance(state, (list, tuple)):
-        return sum(held_bytes(v) for v in state)
-    return tensor_bytes([state])["local"] if isinstance(state, torch.Tensor) else 0
+    return tensor_bytes(held_tensors(state))["local"]
 
 
 def save_measured(model, optimizer, folder: Path, meta: dict, device) -> dict:
@@ -270,10 +326,12 @@ def save_measured(model, optimizer, folder: Path, meta: dict, device) -> dict:
     with measured(device) as dcp:
         state = fsdp_gpt.sharded_state(model, optimizer)  # DTensors: no copies
         dcp["held_bytes_per_rank"] = every_rank(held_bytes(state))
+        dcp["tensors_per_rank"] = every_rank(len(held_tensors(state)))
         fsdp_gpt.save_checkpoint(state, folder, meta)
     with measured(device) as gathered:
         state = fsdp_gpt.full_state(model, optimizer)  # on rank 0, on the CPU
         gathered["held_bytes_per_rank"] = every_rank(held_bytes(state))
+        gathered["tensors_per_rank"] = every_rank(len(held_tensors(state)))
         fsdp_gpt.save_full_state(state, folder / "full_state.pt")
     del state
     files = [
@@ -290,7 +348,8 @@ def judge(run: dict, everyone: list[dict], reference: list[float], tol: float):
     """On rank 0: the results and the sentence for exit code 3 ("" if none)."""
     n, b, units = run["world_size"], run["dtype_bytes"], run.pop("units")
     predicted_state = [predict_state(units, n, r, b) for r in range(n)]
-    predicted = {s: predict_communication(units, n, b, s) for s in SETTINGS}
+    counted = counted_settings(n)
+    predicted = {s: predict_communication(units, n, b, s) for s in counted}
     measured_states = [e["state"] for e in everyone]
     comm = everyone[0]["communication"]
     diff = max(abs(a - r) for a, r in zip(run["losses"], reference))
@@ -301,10 +360,17 @@ def judge(run: dict, everyone: list[dict], reference: list[float], tol: float):
             and e["communication"][s]["unsharded_bytes_after_forward"]
             == predicted[s]["unsharded_bytes_after_forward"]
             for e in everyone
-            for s in SETTINGS
+            for s in counted
             for step in e["communication"][s]["per_step"]
         ),
         "losses": diff <= tol,
+        "accumulation": all(
+            e["communication"][s]["gradient_bytes_between_microbatches"]
+            == predicted[s]["gradient_bytes_between_microbatches"]
+            for e in everyone
+            for s in ACCUMULATION
+            if s in counted
+        ),
     }
     results = {
         **run,
@@ -343,11 +409,21 @@ def judge(run: dict, everyone: list[dict], reference: list[float], tol: float):
                 "predicted_unsharded_bytes_after_forward": predicted[s][
                     "unsharded_bytes_after_forward"
                 ],
+                "predicted_gradient_bytes_between_microbatches": predicted[s][
+                    "gradient_bytes_between_microbatches"
+                ],
+                "gradient_bytes_between_microbatches_per_rank": [
+                    e["communication"][s]["gradient_bytes_between_microbatches"]
+                    for e in everyone
+                ],
                 "same_on_every_rank": all(
-                    e["communication"][s] == comm[s] for e in everyone
+                    e["communication"][s]["per_step"] == comm[s]["per_step"]
+                    for e in everyone
                 ),
+                "microbatches": ACCUMULATION.get(s, (1,))[0],
+                "sync": ACCUMULATION.get(s, (1, None))[1],
             }
-            for s in SETTINGS
+            for s in counted
         },
         "peak": {
             "step": everyone[0]["peak"]["step"],
@@ -370,15 +446,17 @@ def judge(run: dict, everyone: list[dict], reference: list[float], tol: float):
         f"rank 0's live tensors peaked at ~{peak['bytes_per_rank'][0]} B in step "
         f"{run['steps'][peak['step']]}"
     )
-    for s in SETTINGS:
+    for s in counted:
         said = [
             f"{v['calls']} {k}s ({v['output_bytes']} B out)"
             for k, v in comm[s]["per_step"][0].items()
         ]
+        held = comm[s]["gradient_bytes_between_microbatches"]
         print0(
-            f"reshard_after_forward {s:8s}: {', '.join(said) or 'no collectives'} per "
-            f"step; {comm[s]['unsharded_bytes_after_forward']} B unsharded "
+            f"reshard_after_forward {s:22s}: {', '.join(said) or 'no collectives'} "
+            f"per step; {comm[s]['unsharded_bytes_after_forward']} B unsharded "
             "between forward and backward"
+            + (f"; ~{held} B more live as the second part began" if held else "")
         )
     print0(
         "checks: "
@@ -392,6 +470,8 @@ def judge(run: dict, everyone: list[dict], reference: list[float], tol: float):
         "memory in the results",
         "communication": "the collectives of a step differ from their formula; "
         "see communication in the results",
+        "accumulation": "the gradient bytes held between micro-batches differ "
+        "from their formula; see communication in the results",
     }
     return results, next((failures[k] for k, ok in checks.items() if not ok), "")
 
@@ -440,22 +520,30 @@ def main() -> None:
             f"at step {start}) in {checkpoint['load']['seconds']:.2f} s"
         )
     tic = clock()
-    run = train_counted(model, optimizer, batches, device)
+    # The main run's micro-batches and sync (one micro-batch: nothing to sync).
+    steps = (args.microbatches, args.sync if args.microbatches > 1 else "last")
+    run = train_counted(model, optimizer, batches, device, steps)
     seconds = {"train": clock() - tic}
     for step, loss in enumerate(run["losses"], start):
         print0(f"step {step:3d}  loss {loss:.6f}")
     # One counted step of each other setting, on a fresh model: the counts and
     # sizes do not depend on the values.
     communication = {}
-    for setting, values in SETTINGS.items():
+    for setting in counted_settings(world_size):
+        values = SETTINGS.get(setting, SETTINGS["on"])
+        accumulation = ACCUMULATION.get(setting, (1, "last"))
         counted = (
-            run
-            if values == chosen
-            else train_counted(*sharded(values), batches[:1], device)
+            run  # the main run's own setting: counted already
+            if (values, accumulation) == (chosen, steps)
+            else train_counted(*sharded(values), batches[:1], device, accumulation)
         )
+        live = counted["live_at_forward"]  # as each micro-batch of the last step began
         communication[setting] = {
             "per_step": counted["per_step"],
             "unsharded_bytes_after_forward": counted["after_forward"],
+            "gradient_bytes_between_microbatches": live[1] - live[0]
+            if len(live) > 1
+            else None,
         }
     if args.save:
         settings = {k: getattr(args, k) for k in fsdp_gpt.SETTINGS}

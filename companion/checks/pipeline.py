@@ -10,8 +10,10 @@ the script's own ``train_step`` (its other flags too), from the same initial
 model on the same batches, and measures:
 
 - the timeline: when each stage starts and ends the forward and the backward
-  pass of each micro-batch, on a clock that waits for the device, started by
-  a barrier at the start of the step. The bubble of a step is the share of
+  pass of each micro-batch, from a barrier at the start of the step, on the
+  device's own timeline (``companion.checking.DeviceClock``: CUDA events on a
+  GPU, read after the step, so that timing every pass adds no
+  synchronisation; the host clock on a CPU). The bubble of a step is the share of
   the step, from its common start to the last stage's end, that a process
   spends outside those passes (waiting, sending, receiving), averaged over
   the processes, against (p - 1) / (v m + p - 1), v the stages per process
@@ -46,7 +48,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from companion.checking import clock, every_rank, finish, print0, tolerance
+from companion.checking import (
+    DeviceClock,
+    clock,
+    every_rank,
+    finish,
+    print0,
+    tolerance,
+)
 from companion.gpt import GPTConfig, plain_losses
 from companion.memory import SavedTensors
 from companion.parallel_costs import bubble_fraction
@@ -81,18 +90,33 @@ def most_in_flight(events: list[list]) -> int:
 
 
 class Recorder:
-    """The forward ("F") and backward ("B") passes of one process's stages in a step."""
+    """The forward ("F") and backward ("B") passes of one process's stages in a step.
 
-    def __init__(self) -> None:
+    Each pass is marked where it starts and ends on the device's timeline
+    (``DeviceClock``: no synchronisation inside the step on a GPU); ``events``
+    reads the marks as seconds since the step began, after the step.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.clock = DeviceClock(device)
         self.start()
 
     def start(self) -> None:
-        """A new step: forget the events, restart the clock."""
-        self.events: list[list] = []  # [kind, stage, micro-batch, start, end]
-        self.t0 = clock()
+        """A new step: forget the passes, mark its start."""
+        self.marks: list[list] = []  # [kind, stage, micro-batch, start, end]
+        self.t0 = self.clock.mark()
 
-    def now(self) -> float:
-        return clock() - self.t0
+    def mark(self) -> Any:
+        """A mark now (the step's end, say), for ``seconds``."""
+        return self.clock.mark()
+
+    def seconds(self, mark: Any) -> float:
+        """Seconds from the step's start to ``mark``."""
+        return self.clock.seconds(self.t0, mark)
+
+    def events(self) -> list[list]:
+        """The step's passes: [kind, stage, micro-batch, start, end], in seconds."""
+        return [[*m[:3], self.seconds(m[3]), self.seconds(m[4])] for m in self.marks]
 
     def watch(self, stage: Any) -> None:
         """Record each pass ``stage`` runs (it wraps the stage's own methods)."""
@@ -101,9 +125,9 @@ class Recorder:
 
     def _timed(self, stage: Any, kind: str, run: Any) -> Any:
         def timed(chunk: int, *args: Any, **kwargs: Any) -> Any:
-            start = self.now()
+            start = self.mark()
             out = run(chunk, *args, **kwargs)
-            self.events.append([kind, stage.stage_index, chunk, start, self.now()])
+            self.marks.append([kind, stage.stage_index, chunk, start, self.mark()])
             return out
 
         return timed
@@ -119,7 +143,7 @@ def run_setting(schedule: str, m: int, args: argparse.Namespace, batches, device
     params = [q for module in modules for q in module.parameters()]
     optimizer = torch.optim.Adam(params, lr=args.lr)
     kept = [t for module in modules for t in (*module.parameters(), *module.buffers())]
-    recorder = Recorder()
+    recorder = Recorder(device)
     for stage in pipeline.stages:
         recorder.watch(stage)
     record: dict[str, Any] = {"losses": [], "ends": [], "busy": [], "peaks": []}
@@ -128,7 +152,7 @@ def run_setting(schedule: str, m: int, args: argparse.Namespace, batches, device
     def measured_step(*step_args: Any, **kwargs: Any) -> Any:
         with SavedTensors(exclude=kept) as saved:
             out = step(*step_args, **kwargs)
-        record["ends"].append(recorder.now())
+        record["ends"].append(recorder.mark())  # read as seconds after the step
         record["peaks"].append(saved.peak)
         return out
 
@@ -137,10 +161,12 @@ def run_setting(schedule: str, m: int, args: argparse.Namespace, batches, device
         dist.barrier()  # every process starts the step's clock together
         recorder.start()
         loss = pipeline_gpt.train_step(pipeline, optimizer, x, y)
-        record["busy"].append(sum(e[4] - e[3] for e in recorder.events))
+        events = recorder.events()
+        record["ends"][-1] = recorder.seconds(record["ends"][-1])
+        record["busy"].append(sum(e[4] - e[3] for e in events))
         record["losses"].append(pipeline_gpt.loss_from_last_stage(loss, device))
-    record["events"] = recorder.events
-    record["in_flight"] = most_in_flight(recorder.events)
+    record["events"] = events
+    record["in_flight"] = most_in_flight(events)
     record["microbatch_bytes"] = None
     if len(modules) == 1:  # one micro-batch's saved bytes, counted alone
         x, y = (t.tensor_split(m)[0] for t in batches[0])

@@ -28,12 +28,14 @@ splits the model three ways over all the processes, ``hand``, ``tp`` and
   (12d + hT)/N; TP+SP 2d + (14d + 4 + hT)/N (DTensor keeps the gathered
   inputs of attention and MLP whole);
 - for a cost model, never checked: the seconds of ``--repeats`` forward and
-  backward passes after a warm-up, on a clock that waits for the device:
+  backward passes after a warm-up, on a clock that waits for the device
+  before and after each pass (not inside it):
   the plain model on rank 0 with all the processes' threads; then, in turn
   round after round, the plain model on rank 0 with one process's threads
   and each split between barriers (every sample, and the medians); one
   all-reduce of B T d elements alone, and the median of those the
-  hand-split steps ran.
+  hand-split steps ran, marked on the device's timeline (CUDA events on a
+  GPU, which add no synchronisation inside the step).
 
 ``--layout 2d`` trains DTensor's split inside each row of the ``--mesh`` and
 FSDP2 along its columns (5 steps unless told otherwise), and checks its
@@ -63,7 +65,14 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.tensor import DTensor
 
-from companion.checking import clock, every_rank, finish, print0, tolerance
+from companion.checking import (
+    DeviceClock,
+    clock,
+    every_rank,
+    finish,
+    print0,
+    tolerance,
+)
 from companion.collectives import PHASES, CollectiveCounter
 from companion.gpt import GPTConfig, plain_losses
 from companion.memory import SavedTensors, shard_rows, tensor_bytes
@@ -309,14 +318,17 @@ def forward_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Call
 
 
 @contextlib.contextmanager
-def timed_all_reduces(seconds: list[float]) -> Iterator[None]:
-    """Time every ``torch.distributed.all_reduce`` call (the hand-split model's)."""
-    original = dist.all_reduce
+def timed_all_reduces(marks: list[tuple], device: torch.device) -> Iterator[None]:
+    """Mark where every ``torch.distributed.all_reduce`` call (the hand-split
+    model's) starts and ends, on the device's timeline (``DeviceClock``: on
+    a GPU no synchronisation around them, which would stall the step's own
+    queue of work); read them with ``DeviceClock.seconds`` after the step."""
+    original, device_clock = dist.all_reduce, DeviceClock(device)
 
     def timed(*args: Any, **kwargs: Any) -> Any:
-        tic = clock()
+        start = device_clock.mark()
         out = original(*args, **kwargs)
-        seconds.append(clock() - tic)
+        marks.append((start, device_clock.mark()))
         return out
 
     dist.all_reduce = timed
@@ -354,13 +366,15 @@ def measure_times(models: dict, plain: nn.Module, x, y, repeats: int) -> dict:
         alone = seconds_of(plain_step, together=False) if rank == 0 else 0.0
         timed = {"plain_one_process": alone}
         for name, step in steps.items():
-            calls: list[float] = []
+            calls: list[tuple] = []
             with (
-                timed_all_reduces(calls) if name == "hand" else contextlib.nullcontext()
+                timed_all_reduces(calls, x.device)
+                if name == "hand"
+                else contextlib.nullcontext()
             ):
                 timed[name] = seconds_of(step)
-            if round_:
-                in_step += calls
+            if round_:  # the step is over: reading the marks waits for nothing
+                in_step += [DeviceClock(x.device).seconds(*m) for m in calls]
         for name, value in timed.items():
             if round_:
                 samples[name].append(value)

@@ -12,7 +12,9 @@ script stands alone) from the same seed, applies ``fully_shard`` to each block
 and then to the root (embeddings, final LayerNorm, head), and trains with Adam
 on its slice of the same global batches of the Zen of Python, read as
 characters (``--mixed-precision bf16``: gathered and computed in bfloat16,
-gradients reduced in float32, the shards and Adam's state in ``--dtype``).
+gradients reduced in float32, the shards and Adam's state in ``--dtype``;
+``--microbatches K``: gradient accumulation over K parts of each rank's slice,
+reduce-scattered after the last part, or with ``--sync each`` after each).
 ``--save DIR`` writes a sharded checkpoint with torch.distributed.checkpoint
 (each rank its own shards, into DIR.tmp, renamed to DIR once complete, on a
 file system every node sees) and the full state gathered to rank 0
@@ -272,13 +274,34 @@ def shard_model(model: GPT, mesh, reshard_after_forward=True, root=None, mixed=N
 # ---- train
 
 
-def train_step(model: nn.Module, optimizer, x: torch.Tensor, y: torch.Tensor):
-    """One Adam step on this rank's slice of a global batch; its loss, detached."""
+def train_step(
+    model: nn.Module,
+    optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    microbatches: int = 1,
+    sync: str = "last",
+):
+    """One Adam step on this rank's slice of a global batch, in ``microbatches``
+    equal parts whose gradients add up (gradient accumulation); its loss, detached.
+
+    ``sync``: "each" reduce-scatters every micro-batch's gradients, which
+    stay sharded; "last" turns gradient sync off until the last micro-batch
+    (``set_requires_gradient_sync``, FSDP2's ``no_sync``), so that every rank
+    adds up whole, unsharded gradients and reduce-scatters them once.
+    """
     optimizer.zero_grad(set_to_none=True)
-    loss = lm_loss(model(local_slice(x)), local_slice(y))  # all-gathers per unit
-    loss.backward()  # gathers again where resharded, reduce-scatters gradients
+    parts = zip(local_slice(x).tensor_split(microbatches),
+                local_slice(y).tensor_split(microbatches))  # fmt: skip
+    losses = []
+    for i, (xs, ys) in enumerate(parts):
+        last = i == microbatches - 1
+        model.set_requires_gradient_sync(last or sync == "each")
+        loss = lm_loss(model(xs), ys) / microbatches  # all-gathers per unit
+        loss.backward()  # gathers again where resharded, reduce-scatters if synced
+        losses.append(loss.detach())
     optimizer.step()  # on this rank's shards only
-    return loss.detach()
+    return torch.stack(losses).sum()
 
 
 def mean_over_ranks(loss: torch.Tensor) -> float:
@@ -420,6 +443,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=MIXED,
         help="bf16: gather and compute in bfloat16, reduce in float32 (default: off)",
     )
+    add(
+        "--microbatches",
+        type=int,
+        default=1,
+        help="gradient accumulation: parts of each rank's slice (default: 1)",
+    )
+    add(
+        "--sync",
+        choices=("last", "each"),
+        default="last",
+        help="reduce-scatter the gradients after the last micro-batch or each "
+        "(default: last)",
+    )
     add("--save", type=Path, help="checkpoint directory to write after training")
     add("--load", type=Path, help="checkpoint directory to resume from")
     add("--timeout", type=float, default=600, help="seconds to wait for the others")
@@ -443,6 +479,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"--batch-size {args.batch_size} does not split evenly over {world_size} "
             f"processes; use a multiple of {world_size}."
         )
+    parts = world_size * args.microbatches  # equal micro-batches weigh alike
+    if args.microbatches < 1:
+        fail(f"--microbatches must be at least 1, not {args.microbatches}.")
+    if args.batch_size % parts:
+        fail(
+            f"--batch-size {args.batch_size} does not split into {args.microbatches} "
+            f"equal micro-batches on each of {world_size} processes; use a multiple "
+            f"of {parts}."
+        )
     if not 0 < args.seq_len <= min(args.block_size, 855):  # the text: 856 chars
         fail(f"--seq-len {args.seq_len} must be 1 to --block-size, under 856.")
     return args
@@ -463,7 +508,8 @@ def main() -> None:
     losses = []
     batches = global_batches(args, start, args.steps, device)
     for step, (x, y) in enumerate(batches, start):
-        losses.append(mean_over_ranks(train_step(model, optimizer, x, y)))
+        loss = train_step(model, optimizer, x, y, args.microbatches, args.sync)
+        losses.append(mean_over_ranks(loss))
         if rank == 0:
             print(f"step {step:3d}  loss {losses[-1]:.6f}", flush=True)
     if args.save:
