@@ -167,6 +167,7 @@ def test_predict_grid_is_each_members_probability_of_class_1():
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_compiled_vmap_step_equals_eager(spirals):
     points, labels = spirals
     adam = Adam(lr=0.02)

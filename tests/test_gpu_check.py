@@ -38,6 +38,7 @@ def test_without_a_gpu_it_says_so_in_one_sentence():
         )
 
 
+@pytest.mark.slow
 def test_hello_runs_on_two_simulated_gpus_with_nccl(tmp_path):
     log = tmp_path / "hello.log"
     ok, said = gpu_check.run_script("hello_distributed.py", 2, 120, True, log)

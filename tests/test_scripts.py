@@ -20,6 +20,7 @@ import datetime
 import json
 import os
 import socket
+import runpy
 import subprocess
 import sys
 import time
@@ -105,11 +106,17 @@ def test_the_scripts_are_short():
     assert sum(lines[name] for name in ORIGINAL_NINE) <= 3500, lines
 
 
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
 @pytest.mark.parametrize("path", ALL, ids=lambda p: p.name)
-def test_help_shows_launch_lines_and_exit_codes(path):
-    text = subprocess.run(
-        [sys.executable, path, "--help"], capture_output=True, text=True, timeout=60
-    ).stdout
+def test_help_shows_launch_lines_and_exit_codes(path, monkeypatch, capsys):
+    # In this process (torch is imported already): --help ends while parsing
+    # (in SystemExit(0), which @record lets through or swallows by torch version).
+    monkeypatch.setattr(sys, "argv", [str(path), "--help"])
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+    except SystemExit as exited:
+        assert exited.code == 0
+    text = capsys.readouterr().out
     assert f"torchrun --standalone --nproc-per-node=" in text
     assert "srun" in text and "Exit codes:" in text and "--timeout" in text
 

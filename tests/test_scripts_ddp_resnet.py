@@ -51,6 +51,7 @@ def data_file(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_the_check_trains_with_the_script_and_times_the_parts(data_file: str) -> None:
     args = ["--data", data_file, *TINY, "--timing-rounds", "2"]
     results = launch("checks/ddp_scaling.py", args, nproc=2, timeout=200)

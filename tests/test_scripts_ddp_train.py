@@ -267,6 +267,7 @@ def test_one_process_learns(one_process):
     assert one_process["test_accuracy"] > 0.8 and 0.8 < one_process["train_accuracy"]
 
 
+@pytest.mark.slow
 def test_the_log_gathers_losses_every_n_steps(tmp_path):
     """--epochs 1.5 with 8 steps per epoch is 12 steps; logs every 8 steps and at the end."""
     args = [arg for arg in TINY if arg not in ("--steps", "24")]
@@ -279,6 +280,7 @@ def test_the_log_gathers_losses_every_n_steps(tmp_path):
     assert float(logged[-1][1]) == pytest.approx(results["losses"][-1], abs=1e-4)
 
 
+@pytest.mark.slow
 def test_srun_tasks_with_a_gpu_each_match_one_process(one_process, tmp_path):
     """``srun --ntasks-per-node=2 --gpus-per-task=1`` on simulated GPUs: each task
     sees its own GPU as cuda:0 while ``SLURM_LOCALID`` is 0 and 1, so DDP must
@@ -319,6 +321,7 @@ def test_two_processes_match_one(launcher, one_process, request, tmp_path):
     assert results["losses"] == pytest.approx(one_process["losses"], abs=TOL)
 
 
+@pytest.mark.slow
 def test_the_gpu_path_trains_and_resumes_on_a_simulated_gpu(one_process, tmp_path):
     """nccl and cuda:0 as on a GPU machine; the simulation raises what CUDA would."""
     cmd = [sys.executable, SIMULATED_GPU, SCRIPT, *TINY[2:]]
@@ -526,6 +529,7 @@ def test_the_cluster_page_quotes_a_sentence_for_each_cause_the_tests_provoke():
     "cause",
     [pytest.param(c, marks=[pytest.mark.slow] if c in SLOW else []) for c in CAUSES],
 )
+@pytest.mark.slow
 def test_bad_input_is_the_sentence_the_cluster_page_quotes(cause, tmp_path):
     said = CAUSES[cause](tmp_path)
     assert matches(quoted()[cause], said), (

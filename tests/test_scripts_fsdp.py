@@ -239,6 +239,7 @@ def two(tmp_path_factory) -> tuple[dict, Path]:
     return launch(CHECK, ["--steps", "3", "--save", ckpt], nproc=2, timeout=150), ckpt
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_process_every_formula_and_both_checkpoints(
     two, tmp_path
 ) -> None:
@@ -294,6 +295,7 @@ def test_two_processes_match_one_process_every_formula_and_both_checkpoints(
     assert [f["name"] for f in save["gathered"]["files"]] == ["full_state.pt"]
 
 
+@pytest.mark.slow
 def test_the_script_alone_resumes_what_two_processes_saved(two) -> None:
     """The script itself, under plain python: it reshards the 2 ranks' checkpoint
     (and accumulates the gradients of 2 micro-batches, which changes only the

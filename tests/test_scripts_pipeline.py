@@ -143,6 +143,7 @@ def two() -> dict:
     return launch(CHECK, args, nproc=2, timeout=150)
 
 
+@pytest.mark.slow
 def test_two_stages_train_as_one_process_with_either_schedule(two) -> None:
     """One test for the one launch of the check in make test."""
     reference = plain_losses(2)
@@ -170,6 +171,7 @@ def test_two_stages_train_as_one_process_with_either_schedule(two) -> None:
     assert all(two["checks"].values()) and len(two["checks"]) == 8
 
 
+@pytest.mark.slow
 def test_the_script_alone_trains_as_the_plain_model() -> None:
     args = ["--steps", "2", "--microbatches", "2", "--batch-size", "8"]
     out = launch(NAME, args, nproc=None, timeout=90)

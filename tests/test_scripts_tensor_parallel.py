@@ -210,6 +210,7 @@ def test_the_checks_formulas_match_the_lists_here(n) -> None:
     ] == expected_parameter_bytes(dp, tp)
 
 
+@pytest.mark.slow
 def test_two_processes_split_three_ways_and_match_the_plain_model() -> None:
     """The one launch of the check in make test: every number against this file's."""
     out = launch(CHECK, ["--repeats", "2"], nproc=2, timeout=170)
@@ -256,6 +257,7 @@ def test_two_processes_split_three_ways_and_match_the_plain_model() -> None:
     assert {len(v) for v in samples.values()} == {2}  # --repeats 2
 
 
+@pytest.mark.slow
 def test_the_script_alone_trains_as_the_plain_model() -> None:
     out = launch(NAME, ["--layout", "sp", "--steps", "2"], nproc=None, timeout=90)
     assert out["device"] == "cpu" and out["backend"] == "gloo"

@@ -43,6 +43,7 @@ def outcomes(tmp_path_factory) -> dict:
     return json.loads(results.read_text())
 
 
+@pytest.mark.slow
 def test_the_right_code_runs_on_nccl(outcomes):
     assert outcomes["right"] == "ok" and outcomes["backend"] == "nccl"
 

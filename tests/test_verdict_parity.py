@@ -117,6 +117,7 @@ def test_each_stream_gets_its_own_contiguous_cores(monkeypatch):
         vp.core_shares(17)
 
 
+@pytest.mark.slow
 def test_parallel_streams_run_pinned_kernels_and_keep_each_copy(tmp_path):
     """Two chapters at once on this machine's cores, one core each; the executed
     copies are saved, and a verdict that flips still fails the run."""
