@@ -28,7 +28,8 @@ test: $(STAMP)
 	bash tools/run_tests.sh
 
 # The heavy multi-process tests that `make test` leaves out (4 processes, two
-# loopback nodes): a few minutes more.
+# loopback nodes, and the scripts' multi-process equivalence tests, whose claims
+# the chapters' checks also show): about fifteen minutes more; CI runs both.
 test-slow: $(STAMP)
 	$(BIN)/pytest tests -m slow --durations=10
 
