@@ -31,14 +31,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
-from matplotlib.axes import Axes
-from matplotlib.lines import Line2D
-from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
 
 from companion.notebook import CourseError
-from companion.plotting import new_axes
+
+if TYPE_CHECKING:  # matplotlib is imported by the figures only: the checks'
+    from matplotlib.axes import Axes  # processes need the formulas alone
 
 __all__ = [
     "METHODS",
@@ -353,6 +353,10 @@ def plot_ring_steps(world_size: int, split: str, *, ax: Axes | None = None) -> A
     whose block it holds and labelled with that block's chunks. Arrows show
     each block moving to the next rank after a step.
     """
+    from matplotlib.patches import FancyArrowPatch, Rectangle
+
+    from companion.plotting import new_axes
+
     chunks_held(0, world_size, split)
     ax = ax or new_axes(width=1.3 * world_size + 1.5, height=0.6 * world_size + 1)[0]
     for step in range(world_size):
@@ -408,6 +412,10 @@ def plot_causal_blocks(
     whole and masked inside (hatched): for the plain split that block is
     two chunks wide.
     """
+    from matplotlib.patches import Patch, Rectangle
+
+    from companion.plotting import new_axes
+
     chunks_held(0, world_size, split)
     n = 2 * world_size
     owner = {
@@ -465,9 +473,14 @@ def plot_token_flow(
     (before capacity). For each expert, one bar per source rank, in the
     rank's colour, on one scale: the part up to ``capacity`` (the dashed
     line) is kept, travels to the expert's rank and back; the part above it
-    (red, hatched) is dropped. The experts are grouped, on a shaded band, by
+    (hatched, unfilled) is dropped. The experts are grouped, on a shaded band, by
     the rank that holds them.
     """
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch, Rectangle
+
+    from companion.plotting import new_axes
+
     world_size, n_experts = len(counts), len(counts[0])
     if any(len(row) != n_experts for row in counts) or n_experts % world_size:
         raise CourseError(
@@ -491,10 +504,10 @@ def plot_token_flow(
                         (x - width / 2, capacity),
                         width,
                         counts[r][e] - capacity,
-                        facecolor="tab:red",
+                        facecolor="white",
                         hatch="///",
-                        edgecolor="white",
-                        lw=0,
+                        edgecolor=f"C{r}",
+                        lw=0.8,
                     )
                 )
     ax.set(
@@ -512,7 +525,7 @@ def plot_token_flow(
             Patch(color=f"C{r}", label=f"from rank {r}") for r in range(world_size)
         ]
         + [
-            Patch(facecolor="tab:red", hatch="///", label="dropped"),
+            Patch(facecolor="white", edgecolor="0.3", hatch="///", label="dropped"),
             Line2D(
                 [], [], color="k", ls="--", lw=0.8, label=f"capacity C = {capacity}"
             ),

@@ -281,10 +281,11 @@ def test_figures_draw_one_patch_per_block():
         assert len(ax.patches) == 16
         counts = [[5, 0, 9, 1], [2, 2, 2, 2]]
         ax = plot_token_flow(counts, capacity=4)
-        red = [p for p in ax.patches if p.get_facecolor() == to_rgba("tab:red")]
-        assert len(red) == 2  # expert 0 and expert 2 drop choices of rank 0
-        assert sorted(p.get_height() for p in red) == [1, 5]  # 5 - 4 and 9 - 4
-        bars = [p for p in ax.patches if p not in red and p.get_width() < 0.5]
+        dropped = [p for p in ax.patches if p.get_hatch() == "///"]
+        assert len(dropped) == 2  # expert 0 and expert 2 drop choices of rank 0
+        assert sorted(p.get_height() for p in dropped) == [1, 5]  # 5 - 4, 9 - 4
+        assert all(p.get_edgecolor() == to_rgba("C0") for p in dropped)  # rank 0's
+        bars = [p for p in ax.patches if p not in dropped and p.get_width() < 0.5]
         assert sum(p.get_height() for p in bars) == 4 + 0 + 4 + 1 + 2 * 4  # kept
         assert len(ax.lines) == 4  # one dashed capacity line per expert
         with pytest.raises(CourseError, match="one row per rank"):

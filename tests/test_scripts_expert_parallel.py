@@ -13,8 +13,8 @@ What is expected is computed here, independently of the script:
 - launched on 2 processes, the losses equal the same model trained here in
   one process on the same global batches, each rank's share routed alone.
 
-``make test`` launches once (2 processes); 4 processes, bad input and the
-chapter's check on 4 processes are marked slow.
+``make test`` launches once (2 processes); 4 processes, dropless routing,
+bad input and the chapter's checks on 4 processes are marked slow.
 """
 
 from __future__ import annotations
@@ -148,6 +148,11 @@ def test_experts_that_do_not_divide_are_one_sentence(capsys):
 
 
 @pytest.mark.slow
-def test_the_chapters_check_on_four_processes():
-    result = launch("checks/expert_parallel.py", nproc=4, timeout=200)
-    assert all(result["checks"].values()), result["checks"]
+def test_the_chapters_checks_on_four_processes():
+    """Chapter 14 runs both checks in one launch (checks/long_context.py)."""
+    result = launch("checks/long_context.py", nproc=4, timeout=400)
+    for name in ("context", "experts"):
+        assert all(result[name]["checks"].values()), (name, result[name]["checks"])
+    assert result["experts"]["flops_per_byte"]["predicted"] == pytest.approx(
+        2 * 64 * 4 / (3 * 8)  # hidden 4 d = 64, 4 ranks, float64
+    )

@@ -22,8 +22,8 @@ counts, by wrapping the script's own functions:
   on every rank, and for the unsplit attention, written out and fused.
 
 It also trains the script's copy model for a few steps in float64, split
-across the ranks and, on rank 0, whole in one process; twice more with a
-mistake each (the positions of a plain split under a zig-zag one; no
+across the ranks and, on rank 0, whole in one process; for 2 steps with
+each of two mistakes (the positions of a plain split under a zig-zag one; no
 all-reduce of the gradients); and then for the script's default run (float32,
 split). It tries torch's own ``context_parallel`` (on a CPU it raises, and
 the error is kept). Rank 0 compares every count with its formula in
@@ -213,10 +213,11 @@ def torch_context_parallel(data: dict, device: torch.device) -> dict:
 
 def training(args: argparse.Namespace, rank: int, world_size: int, device) -> dict:
     """The script's copy model: a few float64 steps split here and whole on
-    rank 0, twice more with a mistake, then the script's whole training run
-    (float32) split here."""
+    rank 0, two more with each of two mistakes, then the script's whole
+    training run (float32) split here."""
     steps = ["--steps", str(args.train_steps), "--split", args.train_split]
     short, full = ra.parse_args(steps), ra.parse_args(["--split", args.train_split])
+    two = ra.parse_args(["--steps", "2", "--split", args.train_split])  # mistakes
 
     def model(method: str) -> torch.nn.Module:
         torch.manual_seed(short.seed)
@@ -234,7 +235,7 @@ def training(args: argparse.Namespace, rank: int, world_size: int, device) -> di
     ra.positions = lambda T, r, N, split: positions(T, r, N, "plain")
     try:
         wrong_positions = ra.train(
-            model("ring").to(device, DTYPE), short, rank, world_size, device
+            model("ring").to(device, DTYPE), two, rank, world_size, device
         )
     finally:
         ra.positions = positions
@@ -242,7 +243,7 @@ def training(args: argparse.Namespace, rank: int, world_size: int, device) -> di
     dist.all_reduce = lambda tensor, *args, **kwargs: None
     try:
         alone = model("ring").to(device, DTYPE)
-        ra.train(alone, short, rank, world_size, device)
+        ra.train(alone, two, rank, world_size, device)
     finally:
         dist.all_reduce = all_reduce
     learned = ra.train(model("ring").to(device), full, rank, world_size, device)
@@ -366,7 +367,7 @@ def judge(run: dict, everyone: list[dict], tol: float) -> tuple[dict, str]:
     return results, first_miss(checks)
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     add = parser.add_argument
     add("--seq-len", type=int, default=48, help="positions (a multiple of 2 N)")
@@ -379,13 +380,12 @@ def parse_args() -> argparse.Namespace:
     add("--seed", type=int, default=0, help="seed of q, k, v")
     add("--timeout", type=float, default=300, help="seconds to wait for other ranks")
     add("--results", help="a JSON file for rank 0's results")
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
-@record
-def main() -> None:
-    args = parse_args()
-    rank, _, world_size, device = ra.setup_distributed(args.timeout)
+def run(args: argparse.Namespace, device) -> tuple[dict | None, str]:
+    """Every case and count on this rank; rank 0's results and failure sentence."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     if args.seq_len % (2 * world_size) or args.heads % world_size or args.heads % 2:
         ra.fail(
             f"--seq-len {args.seq_len} must be a multiple of 2 x {world_size}, and "
@@ -414,7 +414,7 @@ def main() -> None:
     everyone = every_rank(record)
     out, failure = None, ""
     if rank == 0:
-        run = {
+        setting = {
             **ra.where_it_ran(device),
             "world_size": world_size,
             "shape": [args.batch, args.heads, args.seq_len, args.head_dim],
@@ -422,8 +422,15 @@ def main() -> None:
             "unsplit_saved_bytes": unsplit_saved_bytes(data),
             "torch_context_parallel": torch_cp,
         }
-        out, failure = judge(run, everyone, tolerance("float64", args.tolerance))
-    finish(out, failure, args.results)
+        out, failure = judge(setting, everyone, tolerance("float64", args.tolerance))
+    return out, failure
+
+
+@record
+def main() -> None:
+    args = parse_args()
+    _, _, _, device = ra.setup_distributed(args.timeout)
+    finish(*run(args, device), args.results)
 
 
 if __name__ == "__main__":

@@ -438,7 +438,7 @@ def judge(run: dict, everyone: list[dict], tol: float) -> tuple[dict, str]:
     return results, first_miss(checks)
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     add = parser.add_argument
     add("--experts", type=int, default=8, help="experts (a multiple of N)")
@@ -454,13 +454,12 @@ def parse_args() -> argparse.Namespace:
     add("--seed", type=int, default=0, help="seed of the tokens")
     add("--timeout", type=float, default=300, help="seconds to wait for other ranks")
     add("--results", help="a JSON file for rank 0's results")
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
-@record
-def main() -> None:
-    args = parse_args()
-    rank, _, world_size, device = ep.setup_distributed(args.timeout)
+def run(args: argparse.Namespace, device) -> tuple[dict | None, str]:
+    """Every comparison and count on this rank; rank 0's results and failure."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     if args.experts % world_size or not 1 <= args.top_k <= args.experts:
         ep.fail(
             f"--experts {args.experts} must be a multiple of {world_size}, "
@@ -488,7 +487,7 @@ def main() -> None:
     everyone = every_rank(record)
     results, failure = None, ""
     if rank == 0:
-        run = {
+        setting = {
             **ep.where_it_ran(device),
             "world_size": world_size,
             "experts": args.experts,
@@ -497,8 +496,17 @@ def main() -> None:
             "width": args.width,
             "dtype_bytes": DTYPE.itemsize,
         }
-        results, failure = judge(run, everyone, tolerance("float64", args.tolerance))
-    finish(results, failure, args.results)
+        results, failure = judge(
+            setting, everyone, tolerance("float64", args.tolerance)
+        )
+    return results, failure
+
+
+@record
+def main() -> None:
+    args = parse_args()
+    _, _, _, device = ep.setup_distributed(args.timeout)
+    finish(*run(args, device), args.results)
 
 
 if __name__ == "__main__":

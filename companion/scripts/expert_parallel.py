@@ -425,10 +425,11 @@ def main() -> None:
     model = build(args, rank, world_size).to(device)
     log = train(model, args, rank, world_size, device)
     if rank == 0:
+        factor = args.capacity_factor
         print(
             f"{world_size} process(es) on {device.type}: {args.experts} experts per "
             f"layer, {args.experts // world_size} on each, top-{args.top_k}, "
-            f"capacity factor {args.capacity_factor}"
+            + (f"capacity factor {factor}" if factor else "dropless")
         )
         routed = args.batch_size * args.seq_len * world_size * args.top_k
         for step in sorted({0, args.steps // 2, args.steps - 1}):

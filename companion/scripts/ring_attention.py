@@ -498,7 +498,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--width", type=int, default=32, help="model width d")
     add("--heads", type=int, default=2, help="attention heads")
     add("--kv-heads", type=int, default=0, help="key-value heads (0: --heads)")
-    add("--steps", type=int, default=60, help="training steps")
+    add("--steps", type=int, default=40, help="training steps")
     add("--lr", type=float, default=0.03, help="Adam's learning rate")
     add("--seed", type=int, default=0, help="seed of the weights and the data")
     add("--timeout", type=float, default=600, help="seconds to wait for the others")
