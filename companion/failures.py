@@ -3,12 +3,16 @@
 Chapter 15 runs ``companion/scripts/failures.py`` with one bug at a time and
 shows what each tool prints. The functions here start the processes (one
 per rank, as ``srun`` does, or under ``torchrun``), keep each rank's output
-apart, and turn what the tools printed into a diagnosis (which rank, which
-collective, which cause) that the chapter's verdicts check. Used in chapter 15.
+apart, ask running ranks for their stacks and Flight Recorder entries (torch's
+worker server, on a Unix socket), and turn what the tools printed into a
+diagnosis (which rank, which collective, which cause) that the chapter's
+verdicts check. Used in chapter 15.
 """
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import pickle
 import re
@@ -17,12 +21,14 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from companion.launch import stop_process_group, script_path
+from companion.launch import script_path, stop_process_group
 
 __all__ = [
     "BarrierReport",
@@ -33,20 +39,25 @@ __all__ = [
     "Mismatch",
     "RootCause",
     "Run",
+    "Watch",
+    "ask_worker",
     "compare_flight_records",
     "excerpt",
     "find_barrier_report",
     "find_drift",
+    "find_failures",
     "find_gloo_errors",
     "find_mismatch",
-    "find_failures",
     "find_root_cause",
     "find_stacks",
+    "find_watch",
+    "flight_records_from_json",
     "op_name",
     "read_flight_records",
     "run_ranks",
     "run_torchrun",
     "sanitize",
+    "stacks_on_demand",
     "torchrun_entry",
     "torchrun_summary",
     "where_stuck",
@@ -61,6 +72,7 @@ class Run:
     returncodes: list[int | None]  # None: still running when it was stopped
     seconds: float  # from the start to the last exit
     timed_out: bool  # stopped after the time-out, not ended by itself
+    probed: Any = None  # what ``probe`` returned, asked while the run went on
 
     @property
     def text(self) -> str:
@@ -95,6 +107,8 @@ def run_ranks(
     timeout: float = 60.0,
     grace: float = 5.0,
     python: str = sys.executable,
+    ranks: Sequence[int] | None = None,
+    probe: Callable[[], Any] | None = None,
 ) -> Run:
     """Start one process per rank, as ``srun`` would, and wait for all of them.
 
@@ -113,11 +127,16 @@ def run_ranks(
         timeout: seconds before every process is stopped.
         grace: seconds the others may run on after the first failure.
         python: the interpreter (another environment, another torch).
+        ranks: start only these ranks of ``nproc`` (the others never come);
+            ``Run.outputs`` and ``returncodes`` follow this order.
+        probe: called in a thread while the processes run; what it returns is
+            ``Run.probed``.
     """
     path = Path(script) if os.sep in str(script) else script_path(str(script))
+    started = list(range(nproc)) if ranks is None else list(ranks)
     for _ in range(3):  # another program may take the free port before rank 0 does
         run = _run_ranks_once(
-            path, args, nproc, _child_env(env), timeout, grace, python
+            path, args, nproc, started, _child_env(env), timeout, grace, python, probe
         )
         if "EADDRINUSE" not in run.outputs[0]:
             break
@@ -128,17 +147,19 @@ def _run_ranks_once(
     path: Path,
     args: Sequence[str],
     nproc: int,
+    ranks: list[int],
     env: Mapping[str, str],
     timeout: float,
     grace: float,
     python: str,
+    probe: Callable[[], Any] | None,
 ) -> Run:
     port = str(_free_port())
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
-        files = [Path(tmp, f"rank{rank}.txt") for rank in range(nproc)]
+        files = [Path(tmp, f"rank{rank}.txt") for rank in ranks]
         procs = []
-        for rank, file in enumerate(files):
+        for rank, file in zip(ranks, files):
             rank_env = {
                 "RANK": str(rank),
                 "LOCAL_RANK": str(rank),
@@ -157,6 +178,7 @@ def _run_ranks_once(
                         start_new_session=True,
                     )
                 )
+        asking = _Probe(probe)
         deadline = stop_at = start + timeout
         while any(p.poll() is None for p in procs):
             now = time.monotonic()
@@ -172,7 +194,25 @@ def _run_ranks_once(
         for p in procs:
             stop_process_group(p, grace=1.0)
         outputs = [f.read_text(errors="replace") for f in files]
-    return Run(outputs, codes, seconds, timed_out)
+    return Run(outputs, codes, seconds, timed_out, asking.result())
+
+
+class _Probe:
+    """``probe()`` in a thread, started now; ``result()`` waits for it."""
+
+    def __init__(self, probe: Callable[[], Any] | None) -> None:
+        self._value: Any = None
+        self._thread = threading.Thread(target=self._run, args=(probe,), daemon=True)
+        if probe is not None:
+            self._thread.start()
+
+    def _run(self, probe: Callable[[], Any]) -> None:
+        self._value = probe()
+
+    def result(self) -> Any:
+        if self._thread.is_alive() or self._thread.ident is not None:
+            self._thread.join(timeout=30)
+        return self._value
 
 
 def run_torchrun(
@@ -184,13 +224,16 @@ def run_torchrun(
     env: Mapping[str, str] | None = None,
     timeout: float = 60.0,
     python: str = sys.executable,
+    probe: Callable[[], Any] | None = None,
 ) -> Run:
     """Run ``script`` under ``torchrun --standalone`` and keep all it printed.
 
     ``--tee 3`` prefixes every line a worker prints with its rank
     (``[default1]:``); torchrun's own log and failure summary come unprefixed.
     ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` lets restarted workers meet again
-    (PyTorch 2.14 reuses a store whose addresses are stale after a restart).
+    (PyTorch 2.14 reuses a store whose addresses can be stale after a
+    restart); ``env`` may set it to ``"0"``. ``probe`` is called in a thread
+    while torchrun runs; what it returns is ``Run.probed``.
     """
     path = Path(script) if os.sep in str(script) else script_path(str(script))
     cmd = [
@@ -210,9 +253,10 @@ def run_torchrun(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**_child_env(env), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+        env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **_child_env(env)},
         start_new_session=True,
     )
+    asking = _Probe(probe)
     try:
         output, _ = proc.communicate(timeout=timeout)
         timed_out = False
@@ -220,7 +264,8 @@ def run_torchrun(
         stop_process_group(proc, grace=1.0)
         output, _ = proc.communicate()
         timed_out = True
-    return Run([output], [proc.returncode], time.monotonic() - start, timed_out)
+    seconds = time.monotonic() - start
+    return Run([output], [proc.returncode], seconds, timed_out, asking.result())
 
 
 # ---- what the tools printed, as a diagnosis
@@ -259,6 +304,7 @@ class Collective:
     dtype: str | None = None
     sequence: int | None = None  # the collective's number in its group
     where: str = ""  # the function of the script that called it, if known
+    state: str = ""  # the Flight Recorder's: "scheduled", "started", "completed"
 
 
 @dataclass(frozen=True)
@@ -355,6 +401,7 @@ def find_gloo_errors(outputs: Sequence[str]) -> dict[int, str]:
         (r"Timed out waiting (\d+) ?ms", "timed out after {} ms"),
         (r"Connection (?:closed|reset) by peer", "lost the connection to a peer"),
         (r"Received data size doesn't match", "received data of the wrong size"),
+        (r"can't allocate memory|out of memory", "ran out of memory"),
     )
     found = {}
     for rank, text in enumerate(outputs):
@@ -444,11 +491,13 @@ class Frame:
 
 
 def find_stacks(outputs: Sequence[str] | str) -> dict[int, list[Frame]]:
-    """Each rank's last stack dump by ``faulthandler``, innermost frame first.
+    """Each rank's main thread in its last stack dump, innermost frame first.
 
-    ``outputs``: one text per rank, or torchrun's output with ``--tee 3``,
-    whose lines start with ``[default<rank>]:``. Only the dumping thread's
-    first block is kept (the main thread, in these scripts).
+    ``outputs``: one text per rank (``faulthandler``'s dumps, or the worker
+    server's ``dump_traceback`` answers), or torchrun's output with ``--tee
+    3``, whose lines start with ``[default<rank>]:``. A dump lists every
+    thread, the newest first: the last block of the last dump is the main
+    thread's.
     """
     if isinstance(outputs, str):
         per_rank: dict[int, list[str]] = {}
@@ -482,6 +531,31 @@ def where_stuck(frames: Sequence[Frame], script: str = "failures.py") -> str:
     return frames[0].function if frames else ""
 
 
+def _collectives(
+    entries: Sequence[Mapping], rank: int, script: str
+) -> list[Collective]:
+    """A rank's Flight Recorder entries of the default group, as Collectives."""
+    found = []
+    for e in entries:
+        if e["process_group"][1] != "default_pg":
+            continue
+        callers = [
+            f["name"] for f in e.get("frames", []) if f["filename"].endswith(script)
+        ]
+        found.append(
+            Collective(
+                rank=rank,
+                op=op_name(e["profiling_name"]),
+                shape=tuple((e.get("input_sizes") or [[]])[0]),
+                dtype=(e.get("input_dtypes") or [None])[0],
+                sequence=e["collective_seq_id"],
+                where=callers[0] if callers else "",
+                state=e.get("state", ""),
+            )
+        )
+    return found
+
+
 def read_flight_records(
     folder: str | Path, script: str = "failures.py"
 ) -> dict[int, list[Collective]]:
@@ -495,25 +569,88 @@ def read_flight_records(
     records = {}
     for path in sorted(Path(folder).glob("rank_*")):
         rank = int(path.name.split("_")[1])
-        entries = []
-        for e in pickle.loads(path.read_bytes()).get("entries", []):
-            if e["process_group"][1] != "default_pg":
-                continue
-            callers = [
-                f["name"] for f in e.get("frames", []) if f["filename"].endswith(script)
-            ]
-            entries.append(
-                Collective(
-                    rank=rank,
-                    op=op_name(e["profiling_name"]),
-                    shape=tuple((e.get("input_sizes") or [[]])[0]),
-                    dtype=(e.get("input_dtypes") or [None])[0],
-                    sequence=e["collective_seq_id"],
-                    where=callers[0] if callers else "",
-                )
-            )
-        records[rank] = entries
+        entries = pickle.loads(path.read_bytes()).get("entries", [])
+        records[rank] = _collectives(entries, rank, script)
     return records
+
+
+def flight_records_from_json(answers: Mapping[int, str]) -> dict[int, list[Collective]]:
+    """Each rank's Flight Recorder entries from the worker server's
+    ``fr_trace_json`` answers (no stacks: ``where`` stays empty)."""
+    return {
+        rank: _collectives(json.loads(text).get("entries", []), rank, "")
+        for rank, text in answers.items()
+    }
+
+
+class _UnixHTTP(http.client.HTTPConnection):
+    """HTTP over a Unix socket, as torch's worker server speaks it."""
+
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self._path)
+
+
+def ask_worker(path: str | Path, handler: str, timeout: float = 5.0) -> str:
+    """A worker server's answer to ``handler`` (``"dump_traceback"``: every
+    thread's stack; ``"fr_trace_json"``: the Flight Recorder) on the Unix
+    socket ``path``. Raises ``OSError`` when nothing answers."""
+    connection = _UnixHTTP(str(path), timeout)
+    try:
+        connection.request("POST", f"/handler/{handler}")
+        response = connection.getresponse()
+        body = response.read().decode(errors="replace")
+    finally:
+        connection.close()
+    if response.status != 200:
+        raise OSError(f"the worker server answered {response.status} to {handler}")
+    return body
+
+
+def stacks_on_demand(
+    folder: str | Path, wait_for: Mapping[int, str], timeout: float = 30.0
+) -> dict[str, dict[int, str]]:
+    """Ask every rank of a running job for its stacks and Flight Recorder.
+
+    The ranks' worker servers listen on ``folder/rank<r>.sock``
+    (``failures.py --debug-socket``). The ranks of ``wait_for`` are asked for
+    their stacks until each shows its function (``{1: "load_batch"}``: rank
+    1 has reached the hang), or for ``timeout`` seconds; then every rank's
+    Flight Recorder is asked for at once, and the other ranks' stacks:
+    ``{"stacks": {rank: text}, "flight_records": {rank: json}}``, without
+    the ranks that did not answer.
+    """
+    deadline = time.monotonic() + timeout
+    sockets: dict[int, Path] = {}
+    stacks: dict[int, str] = {}
+    while time.monotonic() < deadline:
+        sockets = {
+            int(p.stem.removeprefix("rank")): p for p in Path(folder).glob("rank*.sock")
+        }
+        try:
+            stacks = {r: ask_worker(sockets[r], "dump_traceback") for r in wait_for}
+        except (OSError, KeyError):  # not listening yet, or gone
+            stacks = {}
+        if stacks and all(f" in {wait_for[r]}" in stacks[r] for r in wait_for):
+            break
+        time.sleep(0.2)
+    answers: dict[str, dict[int, str]] = {"stacks": stacks, "flight_records": {}}
+    for rank, path in sorted(sockets.items()):  # quickly: the hang ends in seconds
+        for key, handler in (
+            ("flight_records", "fr_trace_json"),
+            ("stacks", "dump_traceback"),
+        ):
+            if rank not in answers[key]:
+                try:
+                    answers[key][rank] = ask_worker(path, handler)
+                except OSError:
+                    pass
+    return answers
 
 
 def compare_flight_records(
@@ -545,13 +682,21 @@ class Drift:
     kind: str  # "replicas", "shards" or "order"
     step: int | None  # replicas: the step after which they differed
     detail: str  # replicas: the parameter; shards: "N twice, M never"
+    norm_gap: float | None = None  # replicas: how far apart the norms are
+    sum_gap: float | None = None  # replicas: how far apart the sums are
 
 
 def find_drift(text: str) -> Drift | None:
     """Parse the errors of ``check_replicas`` and ``check_data`` in failures.py."""
-    match = re.search(r"the replicas differ after step (\d+): (\S+) has norm", text)
+    match = re.search(
+        r"the replicas differ after step (\d+): (\S+) has norm .*?"
+        r"\(apart by (\S+); its sums by (\S+)\)",
+        text,
+        re.DOTALL,
+    )
     if match:
-        return Drift("replicas", int(match.group(1)), match.group(2))
+        step, name, norms, sums = match.groups()
+        return Drift("replicas", int(step), name, float(norms), float(sums))
     match = re.search(
         r"the ranks' shards overlap: (\d+) samples twice, (\d+) never", text
     )
@@ -560,6 +705,36 @@ def find_drift(text: str) -> Drift | None:
     if "this epoch repeats the last one's order" in text:
         return Drift("order", None, "set_epoch")
     return None
+
+
+@dataclass(frozen=True)
+class Watch:
+    """What the script's ``--watch`` stopped on."""
+
+    step: int
+    losses: dict[int, float]  # the ranks whose loss was not finite or spiked
+    median: float  # the recent steps' median loss it compared with
+    weights_finite: bool  # every rank's weights were still finite
+
+
+def find_watch(text: str) -> Watch | None:
+    """Parse the error ``failures.py --watch`` raises on every rank, or None."""
+    match = re.search(
+        r"step (\d+): the loss is (.*?), against a recent median of (\S+); stopped "
+        r"before the gradients' all-reduce, every rank's weights still "
+        r"(finite|not all finite)",
+        " ".join(text.split()),
+    )
+    if not match:
+        return None
+    step, losses, median, weights = match.groups()
+    found = re.findall(r"(\S+) on rank (\d+)", losses)
+    return Watch(
+        int(step),
+        {int(r): float(v) for v, r in found},
+        float(median),
+        weights == "finite",
+    )
 
 
 # ---- printing: the lines that matter, without what changes from run to run

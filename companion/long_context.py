@@ -1,22 +1,26 @@
 """Long sequences and many experts in numbers: formulas and figures.
 
-Chapter 14 splits one sequence across processes (context parallelism, with
-ring attention) and a mixture-of-experts layer's experts across processes
-(expert parallelism). Its scripts count what they compute and send; this
-module holds what the notebook compares the counts with, and draws them:
+Chapter 14 splits one sequence across processes (context parallelism: ring
+attention, Llama 3's all-gather, DeepSpeed-Ulysses' all-to-all) and a
+mixture-of-experts layer's experts across processes (expert parallelism).
+Its scripts count what they compute and send; this module holds what the
+notebook compares the counts with, and draws them:
 
-- ring attention: the query-key scores each rank computes at each step of
-  the ring, under a plain or a zig-zag split, causal or not
-  (``ring_work_per_step``, ``ring_work_per_rank``); the bytes each rank
-  sends (``ring_bytes_per_rank``); the bytes attention keeps for backward
-  (``attention_saved_bytes``);
+- context parallelism: the query-key scores each rank computes at each step
+  of the ring, under a plain or a zig-zag split, causal or not
+  (``ring_work_per_step``, ``ring_work_per_rank``); the bytes each rank sends
+  with each method (``context_bytes_per_rank``); the bytes attention keeps for
+  backward (``attention_saved_bytes``); attention over blocks of keys merged
+  by their log-sum-exp, as a ring of flash kernels does (``attend_in_blocks``);
 - experts: the capacity of an expert (``expert_capacity``), the tokens a
-  full expert drops (``dropped_tokens``), and the bytes of the all-to-alls
-  (``all_to_all_bytes_per_rank``);
+  full expert drops (``dropped_tokens``), the bytes of the all-to-alls with
+  fixed buffers (``all_to_all_bytes_per_rank``) and dropless
+  (``dropless_bytes_per_rank``), and the arithmetic per byte sent
+  (``expert_flops_per_byte``);
 - figures: which key and value block each rank holds at each step
   (``plot_ring_steps``), who computes which block of a causal score matrix
-  (``plot_causal_blocks``), and tokens travelling to experts and back
-  (``plot_token_flow``).
+  (``plot_causal_blocks``), and the choices each expert gets from each rank
+  against its capacity (``plot_token_flow``).
 
 Counts of scores are per sequence and head: one score is one query against
 one key, 4 head_dim FLOPs in the forward pass (q.k and p.v). Used in
@@ -27,29 +31,36 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from matplotlib.axes import Axes
-from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
+import torch
 
 from companion.notebook import CourseError
-from companion.plotting import new_axes
+
+if TYPE_CHECKING:  # matplotlib is imported by the figures only: the checks'
+    from matplotlib.axes import Axes  # processes need the formulas alone
 
 __all__ = [
+    "METHODS",
     "SPLITS",
     "all_to_all_bytes_per_rank",
+    "attend_in_blocks",
     "attention_saved_bytes",
     "chunks_held",
+    "context_bytes_per_rank",
+    "dropless_bytes_per_rank",
     "dropped_tokens",
     "expert_capacity",
+    "expert_flops_per_byte",
     "plot_causal_blocks",
     "plot_ring_steps",
     "plot_token_flow",
-    "ring_bytes_per_rank",
     "ring_work_per_rank",
     "ring_work_per_step",
 ]
 
 SPLITS = ("plain", "zigzag")
+METHODS = ("ring", "allgather", "ulysses")
 
 
 def _check_split(seq_len: int, world_size: int, split: str) -> int:
@@ -115,26 +126,50 @@ def ring_work_per_rank(
     return [sum(row) for row in ring_work_per_step(seq_len, world_size, split, causal)]
 
 
-def ring_bytes_per_rank(
+def context_bytes_per_rank(
+    method: str,
     batch: int,
     heads: int,
     seq_len: int,
     head_dim: int,
     world_size: int,
     dtype_bytes: int,
+    kv_heads: int | None = None,
 ) -> dict[str, int]:
-    """Bytes each rank sends to the next in one forward and one backward pass.
+    """Bytes each rank sends to the others in one forward and one backward pass.
 
-    A block is one rank's keys (or values): batch x heads x T/N x head_dim.
-    Forward: the keys and values pass N - 1 times. Backward: they pass N - 1
-    times again, and their gradients N times (the last pass brings them home).
+    A block is one rank's keys (or values): batch x kv_heads x T/N x head_dim
+    values (grouped-query attention: kv_heads below heads, and only they travel).
+
+    - ``"ring"``: forward, the keys and values pass N - 1 times, 2 (N - 1)
+      blocks; backward, they pass N - 1 times again, and each block's
+      gradients, summed in float32 at least, N - 1 times (the owner keeps its
+      own share): 2 (N - 1) blocks and 2 (N - 1) gradient blocks.
+    - ``"allgather"``: a ring all-gather forwards the N - 1 other ranks' keys
+      and values, 2 (N - 1) blocks; backward, a reduce-scatter of all 2 N
+      gradient blocks sends (N - 1)/N of them: 2 (N - 1) blocks again.
+    - ``"ulysses"``: each all-to-all keeps 1/N of its tensor and sends the
+      rest: q and the output (heads), k and v (kv_heads), T/N positions each,
+      forward; their gradients backward.
     """
+    if method not in METHODS:
+        raise CourseError(f"no method {method!r}; choose one of {', '.join(METHODS)}.")
     _check_split(seq_len, world_size, "plain")
-    block = batch * heads * (seq_len // world_size) * head_dim * dtype_bytes
-    return {
-        "forward": 2 * (world_size - 1) * block,
-        "backward": (2 * (world_size - 1) + 2 * world_size) * block,
-    }
+    N, kv = world_size, kv_heads or heads
+    per_head = batch * (seq_len // N) * head_dim  # one head's T/N positions
+    blocks = 2 * (N - 1) * per_head * kv  # keys and values, N - 1 times
+    if method == "ring":
+        gradients = blocks * max(dtype_bytes, 4)
+        return {
+            "forward": blocks * dtype_bytes,
+            "backward": blocks * dtype_bytes + gradients,
+        }
+    if method == "allgather":
+        return {"forward": blocks * dtype_bytes, "backward": blocks * dtype_bytes}
+    if heads % N or kv % N:
+        raise CourseError(f"Ulysses needs heads and kv_heads divisible by {N}.")
+    sent = (N - 1) * per_head * (2 * heads + 2 * kv) // N * dtype_bytes
+    return {"forward": sent, "backward": sent}
 
 
 def attention_saved_bytes(
@@ -146,33 +181,75 @@ def attention_saved_bytes(
     world_size: int = 1,
     dtype_bytes: int = 4,
     causal: bool = True,
+    kv_heads: int | None = None,
 ) -> int:
     """Bytes one rank's attention keeps for backward (the projections aside).
 
+    The log-sum-exp is float32 at least, as fused kernels keep it.
+
     - ``"explicit"`` (one process, ``softmax(q k^T) v`` written out): q, k, v
-      and the T x T probabilities, (3 D + T) per position and head;
+      and the T x T probabilities;
     - ``"sdpa"`` (one process, a fused kernel): q, k, v, the output and a
-      log-sum-exp, 4 D + 1;
+      log-sum-exp per position and head;
     - ``"ring"``: the same, for T/N positions;
-    - ``"allgather"``: q, the output and the log-sum-exp for T/N positions
-      (2 D + 1), the gathered keys and values for all T (2 D), and, if
-      causal, the mask: an additive (T/N) x T matrix of zeros and -inf.
+    - ``"ulysses"``: the same again (T positions of heads/N heads), and the two
+      int64 permutations of the T positions that order the gathered sequence;
+    - ``"allgather"``: q, the output and the log-sum-exp for T/N positions,
+      the gathered keys and values for all T, and, if causal, the mask: an
+      additive (T/N) x T matrix of zeros and -inf.
     """
     B, H, T, D, N = batch, heads, seq_len, head_dim, world_size
+    kv, lse_bytes = kv_heads or heads, max(dtype_bytes, 4)
     _check_split(T, N, "plain")
-    local = T // N
-    per_position = {
-        "explicit": (3 * D + T) * T,
-        "sdpa": (4 * D + 1) * T,
-        "ring": (4 * D + 1) * local,
-        "allgather": (2 * D + 1) * local + 2 * D * T,
+    L = T // N
+    fused = (2 * H + 2 * kv) * B * L * D * dtype_bytes + B * H * L * lse_bytes
+    saved = {
+        "explicit": ((H + 2 * kv) * B * T * D + B * H * T * T) * dtype_bytes,
+        "sdpa": (2 * H + 2 * kv) * B * T * D * dtype_bytes + B * H * T * lse_bytes,
+        "ring": fused,
+        "ulysses": fused + 2 * T * 8,
+        "allgather": 2 * B * H * L * D * dtype_bytes
+        + 2 * B * kv * T * D * dtype_bytes
+        + B * H * L * lse_bytes
+        + (L * T * dtype_bytes if causal else 0),
     }
-    if method not in per_position:
+    if method not in saved:
         raise CourseError(
-            f"no formula for {method!r}; choose one of {', '.join(per_position)}."
+            f"no formula for {method!r}; choose one of {', '.join(saved)}."
         )
-    mask = local * T if method == "allgather" and causal else 0
-    return (B * H * per_position[method] + mask) * dtype_bytes
+    return saved[method]
+
+
+def attend_in_blocks(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: int
+) -> torch.Tensor:
+    """Attention of q over k and v cut into ``blocks`` blocks of keys, merged
+    as a ring of flash kernels merges them: each block's call returns its
+    normalised output and its log-sum-exp, and two partial results combine as
+
+        lse = log(exp(lse_a) + exp(lse_b)),
+        out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b
+
+    in float32 at least. The calls are to the CPU's flash kernel, the one
+    ``scaled_dot_product_attention`` dispatches to on a CPU (a private op; the
+    GPU's flash kernel returns the log-sum-exp the same way). q, k, v: CPU
+    tensors (batch, heads, positions, head_dim), no mask.
+    """
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    acc = torch.promote_types(q.dtype, torch.float32)
+    out = lse = None
+    for kb, vb in zip(k.chunk(blocks, dim=2), v.chunk(blocks, dim=2)):
+        block_out, block_lse = flash(q, kb, vb, 0.0, False)[:2]
+        block_out, block_lse = block_out.to(acc), block_lse.to(acc)
+        if out is None:
+            out, lse = block_out, block_lse
+            continue
+        new = torch.logaddexp(lse, block_lse)
+        out = (lse - new).exp()[..., None] * out + (block_lse - new).exp()[
+            ..., None
+        ] * block_out
+        lse = new
+    return out.to(q.dtype)
 
 
 def expert_capacity(
@@ -219,6 +296,56 @@ def all_to_all_bytes_per_rank(
     return (world_size - 1) * (n_experts // world_size) * capacity * width * dtype_bytes
 
 
+def dropless_bytes_per_rank(
+    counts: Sequence[Sequence[int]], width: int, dtype_bytes: int
+) -> list[dict[str, int]]:
+    """Bytes each rank sends to the others in a dropless layer's forward pass.
+
+    ``counts[r][e]`` is the number of choices rank r routes to expert e; the
+    experts lie in equal, contiguous groups on the ranks. Dispatch: rank r
+    sends its choices of the other ranks' experts; combine: it sends back the
+    results of the other ranks' choices of its own experts (the counts' own
+    all-to-all, a few integers, aside).
+    """
+    N, E = len(counts), len(counts[0])
+    if E % N or any(len(row) != E for row in counts):
+        raise CourseError("counts need one row per rank, the experts divisible by N.")
+    local, row = E // N, width * dtype_bytes
+
+    def home(e: int) -> int:
+        return e // local
+
+    return [
+        {
+            "dispatch": row * sum(c for e, c in enumerate(counts[r]) if home(e) != r),
+            "combine": row
+            * sum(
+                counts[s][e]
+                for s in range(N)
+                if s != r
+                for e in range(E)
+                if home(e) == r
+            ),
+        }
+        for r in range(N)
+    ]
+
+
+def expert_flops_per_byte(hidden: int, dtype_bytes: int, world_size: int) -> float:
+    """FLOPs of the experts per byte the all-to-alls send, forward, per rank.
+
+    Each row (a token's choice) costs 2 x 2 x d x hidden FLOPs in an expert
+    MLP (two products, 2 FLOPs per multiply-add) and travels twice, d values
+    to the expert and d back; (N - 1)/N of a rank's rows travel: the ratio is
+    2 hidden N / ((N - 1) dtype_bytes), whatever the width d. A transfer hides
+    behind the experts' arithmetic when the device computes more FLOPs in the
+    time the link sends a byte than this ratio.
+    """
+    if world_size < 2:
+        raise CourseError("with one rank nothing travels: give world_size >= 2.")
+    return 2 * hidden * world_size / ((world_size - 1) * dtype_bytes)
+
+
 def plot_ring_steps(world_size: int, split: str, *, ax: Axes | None = None) -> Axes:
     """Which rank's keys and values each rank holds at each step of the ring.
 
@@ -226,6 +353,10 @@ def plot_ring_steps(world_size: int, split: str, *, ax: Axes | None = None) -> A
     whose block it holds and labelled with that block's chunks. Arrows show
     each block moving to the next rank after a step.
     """
+    from matplotlib.patches import FancyArrowPatch, Rectangle
+
+    from companion.plotting import new_axes
+
     chunks_held(0, world_size, split)
     ax = ax or new_axes(width=1.3 * world_size + 1.5, height=0.6 * world_size + 1)[0]
     for step in range(world_size):
@@ -281,6 +412,10 @@ def plot_causal_blocks(
     whole and masked inside (hatched): for the plain split that block is
     two chunks wide.
     """
+    from matplotlib.patches import Patch, Rectangle
+
+    from companion.plotting import new_axes
+
     chunks_held(0, world_size, split)
     n = 2 * world_size
     owner = {
@@ -332,76 +467,72 @@ def plot_causal_blocks(
 def plot_token_flow(
     counts: Sequence[Sequence[int]], capacity: int, *, ax: Axes | None = None
 ) -> Axes:
-    """Tokens travelling from ranks to experts and back.
+    """The choices each expert gets from each rank, against its capacity.
 
-    ``counts[r][e]`` is the number of assignments rank r routes to expert e
-    (before capacity). Lines from each rank on the left to each expert in the
-    middle (drawn beside the rank that holds it) are as thick as the tokens
-    that expert keeps from that rank; the experts' bars show the kept tokens
-    against each rank's capacity (dashed) and the dropped ones in red; lines
-    on the right take the results back to the ranks they came from. Each
-    expert has ``capacity`` slots for each rank (between the dashed lines).
+    ``counts[r][e]`` is the number of choices rank r routes to expert e
+    (before capacity). For each expert, one bar per source rank, in the
+    rank's colour, on one scale: the part up to ``capacity`` (the dashed
+    line) is kept, travels to the expert's rank and back; the part above it
+    (hatched, unfilled) is dropped. The experts are grouped, on a shaded band, by
+    the rank that holds them.
     """
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch, Rectangle
+
+    from companion.plotting import new_axes
+
     world_size, n_experts = len(counts), len(counts[0])
     if any(len(row) != n_experts for row in counts) or n_experts % world_size:
         raise CourseError(
             "counts must have one row per rank and one column per expert, with "
             "the experts divisible by the ranks."
         )
-    ax = ax or new_axes(width=7.0, height=0.45 * n_experts + 1.2)[0]
-    kept = [[min(c, capacity) for c in row] for row in counts]
-    most = max(max(row) for row in counts) or 1
-    rank_y = [(r + 0.5) * n_experts / world_size - 0.5 for r in range(world_size)]
-    local = n_experts // world_size
+    ax = ax or new_axes(width=7.0, height=3.0)[0]
+    local, width = n_experts // world_size, 0.8 / world_size
+    top = max(max(max(row) for row in counts), capacity)
     for e in range(n_experts):
         holder = e // local
-        ax.add_patch(
-            Rectangle((2.6, e - 0.45), 1.8, 0.9, color=f"C{holder}", alpha=0.15, lw=0)
-        )
-        overflow = 4.45
-        for r in range(world_size):  # capacity slots for each source rank
-            left, width = 2.7 + 1.6 * r / world_size, 1.6 / world_size
-            share = width * kept[r][e] / capacity
-            ax.add_patch(
-                Rectangle((left, e - 0.3), share, 0.6, color=f"C{r}", alpha=0.7)
-            )
-            drop = counts[r][e] - kept[r][e]
-            if drop:  # beyond the capacity: dropped, stacked to the right
-                size = 0.6 * drop / most
-                ax.add_patch(Rectangle((overflow, e - 0.3), size, 0.6, color="tab:red"))
-                overflow += size
+        ax.axvspan(e - 0.5, e + 0.5, color=f"C{holder}", alpha=0.08, lw=0)
+        ax.plot([e - 0.45, e + 0.45], [capacity] * 2, "k--", lw=0.8)
         for r in range(world_size):
-            ax.plot(
-                [2.7 + 1.6 * (r + 1) / world_size] * 2,
-                [e - 0.4, e + 0.4],
-                "k--",
-                lw=0.6,
-            )
-        ax.text(2.65, e, f"expert {e}", ha="right", va="center", fontsize=7)
-        for r in range(world_size):
-            if kept[r][e]:
-                lw = 0.5 + 4 * kept[r][e] / most
-                ax.plot([0.7, 2.0], [rank_y[r], e], color=f"C{r}", lw=lw, alpha=0.5)
-                ax.plot([5.2, 6.5], [e, rank_y[r]], color=f"C{r}", lw=lw, alpha=0.5)
-    for r in range(world_size):
-        for x, label in ((0.0, f"rank {r}"), (6.6, f"rank {r}")):
-            ax.text(
-                x,
-                rank_y[r],
-                label,
-                va="center",
-                fontsize=8,
-                color=f"C{r}",
-                weight="bold",
-            )
-    ax.text(1.35, -1.0, "dispatch (all-to-all)", ha="center", fontsize=8)
-    ax.text(5.85, -1.0, "combine (all-to-all)", ha="center", fontsize=8)
-    ax.set(xlim=(-0.1, 7.4), ylim=(n_experts - 0.4, -1.4))
-    ax.axis("off")
-    ax.legend(
-        handles=[Patch(color="tab:red", label="dropped (over capacity)")],
+            x = e - 0.4 + (r + 0.5) * width
+            kept = min(counts[r][e], capacity)
+            ax.add_patch(Rectangle((x - width / 2, 0), width, kept, color=f"C{r}"))
+            if counts[r][e] > capacity:
+                ax.add_patch(
+                    Rectangle(
+                        (x - width / 2, capacity),
+                        width,
+                        counts[r][e] - capacity,
+                        facecolor="white",
+                        hatch="///",
+                        edgecolor=f"C{r}",
+                        lw=0.8,
+                    )
+                )
+    ax.set(
+        xlim=(-0.5, n_experts - 0.5),
+        ylim=(0, 1.08 * top),
+        ylabel="choices from each rank",
+    )
+    ax.set_xticks(
+        range(n_experts),
+        [f"expert {e}\non rank {e // local}" for e in range(n_experts)],
         fontsize=7,
-        loc="lower center",
-        bbox_to_anchor=(0.5, -0.12),
+    )
+    ax.legend(
+        handles=[
+            Patch(color=f"C{r}", label=f"from rank {r}") for r in range(world_size)
+        ]
+        + [
+            Patch(facecolor="white", edgecolor="0.3", hatch="///", label="dropped"),
+            Line2D(
+                [], [], color="k", ls="--", lw=0.8, label=f"capacity C = {capacity}"
+            ),
+        ],
+        fontsize=7,
+        ncol=world_size + 2,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.2),
     )
     return ax

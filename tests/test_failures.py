@@ -12,10 +12,14 @@ about a second.
 
 from __future__ import annotations
 
+import http.server
 import json
+import math
 import pickle
 import re
+import socketserver
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -23,6 +27,7 @@ import pytest
 from companion.failures import (
     Collective,
     Mismatch,
+    ask_worker,
     compare_flight_records,
     excerpt,
     find_barrier_report,
@@ -32,10 +37,13 @@ from companion.failures import (
     find_mismatch,
     find_root_cause,
     find_stacks,
+    find_watch,
+    flight_records_from_json,
     op_name,
     read_flight_records,
     run_ranks,
     sanitize,
+    stacks_on_demand,
     torchrun_entry,
     torchrun_summary,
     where_stuck,
@@ -193,6 +201,18 @@ def test_monitored_barrier_reports_both_sides():
     assert find_barrier_report("all good") is None
 
 
+def test_an_allocator_that_refuses_is_out_of_memory():
+    said = (
+        "RuntimeError: [enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: "
+        "can't allocate memory: you tried to allocate 1152921504606846976 bytes."
+    )
+    cuda = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert find_gloo_errors([said, cuda]) == {
+        0: "ran out of memory",
+        1: "ran out of memory",
+    }
+
+
 def test_gloo_errors_in_a_few_words():
     outputs = [
         (
@@ -339,11 +359,12 @@ def test_flight_records_name_a_missing_rank_and_skip_other_groups(tmp_path):
 def test_drift_messages_of_the_scripts_checks():
     replicas = (
         "RuntimeError: the replicas differ after step 4: head.weight has norm 1.242308 "
-        "on rank 0, 1.224249 on rank 1 (apart by 1.8e-02)"
+        "on rank 0,\n    1.224249 on rank 1 (apart by 1.8e-02; its sums by 1.1e-16)"
     )
     assert find_drift(replicas) == find_drift(replicas.replace("Runtime", "x"))
     drift = find_drift(replicas)
     assert (drift.kind, drift.step, drift.detail) == ("replicas", 4, "head.weight")
+    assert (drift.norm_gap, drift.sum_gap) == (1.8e-02, 1.1e-16)
     shards = "the ranks' shards overlap: 72 samples twice, 72 never; do all ..."
     assert find_drift(shards).detail == "72 twice, 72 never"
     assert (
@@ -351,6 +372,43 @@ def test_drift_messages_of_the_scripts_checks():
         == "order"
     )
     assert find_drift("epoch 1/3: step 8") is None
+
+
+def test_the_watch_message_names_the_step_the_ranks_and_the_weights():
+    said = (
+        "[rank0]: RuntimeError: step 10: the loss is nan on rank 1, 7.5 on rank 3, "
+        "against a recent median of 0.2966;\n    stopped before the gradients' "
+        "all-reduce, every rank's weights still finite"
+    )
+    watch = find_watch(said)
+    assert (watch.step, list(watch.losses), watch.median) == (10, [1, 3], 0.2966)
+    assert math.isnan(watch.losses[1]) and watch.losses[3] == 7.5
+    assert watch.weights_finite
+    stopped = find_watch(said.replace("still finite", "still not all finite"))
+    assert not stopped.weights_finite
+    assert find_watch("epoch 1/3: step 8, loss nan") is None
+
+
+def test_flight_records_from_the_worker_servers_json():
+    entry = {
+        "process_group": ["0", "default_pg"],
+        "profiling_name": "gloo:all_reduce",
+        "input_sizes": [[420]],
+        "input_dtypes": ["Double"],
+        "collective_seq_id": 20,
+        "state": "scheduled",
+    }
+    helper = {**entry, "process_group": ["1", "helper"], "collective_seq_id": 3}
+    answers = {
+        0: json.dumps({"entries": [{**entry, "collective_seq_id": 19}, entry, helper]}),
+        1: json.dumps({"entries": [{**entry, "collective_seq_id": 19}]}),
+    }
+    records = flight_records_from_json(answers)
+    assert [c.sequence for c in records[0]] == [19, 20]  # other groups left out
+    assert records[0][-1] == Collective(
+        0, "all_reduce", (420,), "Double", 20, "", "scheduled"
+    )
+    assert compare_flight_records(records).missing == (1,)
 
 
 def test_sanitize_removes_what_changes_between_runs():
@@ -428,6 +486,22 @@ def test_run_ranks_gives_each_rank_its_place_and_keeps_outputs_apart(rank_script
     assert run.text.count("rank ") == 3
 
 
+def test_run_ranks_can_leave_ranks_out_and_probe_while_they_run(rank_script):
+    seen = []
+    run = run_ranks(
+        rank_script,
+        ["hang"],
+        nproc=3,
+        ranks=[2],
+        timeout=1.5,
+        probe=lambda: seen.append("asked") or "answer",
+    )
+    assert len(run.outputs) == len(run.returncodes) == 1
+    assert run.outputs[0].startswith("rank 2 of 3 at ")  # the others never came
+    assert run.probed == "answer" and seen == ["asked"]
+    assert run_ranks(rank_script, nproc=1, timeout=20).probed is None
+
+
 def test_one_failed_rank_stops_the_others_after_the_grace(rank_script):
     run = run_ranks(rank_script, ["fail"], timeout=30, grace=0.5)
     assert run.returncodes[1] == 3 and run.returncodes[0] is None
@@ -438,6 +512,51 @@ def test_a_hang_is_stopped_at_the_timeout(rank_script):
     run = run_ranks(rank_script, ["hang"], timeout=1.5)
     assert run.timed_out and run.returncodes == [None, None]
     assert 1.5 <= run.seconds < 10
+
+
+# What torch's worker server answers (a faulthandler dump; an empty record).
+WORKER_ANSWERS = {
+    "dump_traceback": STACKS.replace("[default0]:", "").split("[default1]")[0],
+    "fr_trace_json": json.dumps({"entries": []}),
+}
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    """Answers like torch's worker server: POST /handler/<name>, else 404."""
+
+    def do_POST(self) -> None:
+        name = self.path.removeprefix("/handler/")
+        body = WORKER_ANSWERS.get(name)
+        self.send_response(200 if body is not None else 404)
+        self.end_headers()
+        self.wfile.write((body or "").encode())
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+    def get_request(self):  # http.server wants an address pair
+        request, _ = super().get_request()
+        return request, ("local", 0)
+
+
+def test_a_worker_server_is_asked_over_its_unix_socket(tmp_path):
+    path = tmp_path / "rank0.sock"
+    with _UnixServer(str(path), _Handler) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        stack = ask_worker(path, "dump_traceback")
+        assert where_stuck(find_stacks([stack])[0]) == "train (in backward)"
+        with pytest.raises(OSError, match="404"):
+            ask_worker(path, "no_such_handler")
+        asked = stacks_on_demand(tmp_path, wait_for={0: "backward"}, timeout=5)
+        server.shutdown()
+    assert asked["flight_records"] == {0: json.dumps({"entries": []})}
+    assert "in backward" in asked["stacks"][0]
+    with pytest.raises(OSError):
+        ask_worker(path, "dump_traceback", timeout=1)  # nothing listens now
 
 
 # ---- chapter 15's exercises quote tool output: their diagnoses hold

@@ -2,9 +2,11 @@
 
 The scores of ring attention are counted here by walking the ring position by
 position (which rank holds which positions, which block it holds at each
-step, and whether any query of a block may see any key of it); the saved
-bytes are measured with autograd's saved-tensor hooks; the capacity and the
-drops by routing choices one by one.
+step, and whether any query of a block may see any key of it); the bytes by
+walking the messages; the saved bytes are measured with autograd's
+saved-tensor hooks; the capacity and the drops by routing choices one by one;
+the merge by log-sum-exp against attention on all keys at once; the FLOPs per
+byte with torch's FLOP counter.
 """
 
 from __future__ import annotations
@@ -17,17 +19,21 @@ import torch
 import torch.nn.functional as F
 from matplotlib.colors import to_rgba
 from matplotlib.patches import Rectangle
+from torch.utils.flop_counter import FlopCounterMode
 
 from companion.long_context import (
     all_to_all_bytes_per_rank,
+    attend_in_blocks,
     attention_saved_bytes,
     chunks_held,
+    context_bytes_per_rank,
+    dropless_bytes_per_rank,
     dropped_tokens,
     expert_capacity,
+    expert_flops_per_byte,
     plot_causal_blocks,
     plot_ring_steps,
     plot_token_flow,
-    ring_bytes_per_rank,
     ring_work_per_rank,
     ring_work_per_step,
 )
@@ -91,16 +97,56 @@ def test_zigzag_balances_the_causal_work_and_plain_does_not(world_size):
     ] * (world_size)
 
 
-def test_ring_bytes_count_the_passes():
-    block = 2 * 3 * (64 // 4) * 8 * 2  # batch, heads, T/N, head_dim, bf16
-    assert ring_bytes_per_rank(2, 3, 64, 8, 4, 2) == {
-        "forward": 3 * 2 * block,  # K and V pass N - 1 = 3 times
-        "backward": 3 * 2 * block + 4 * 2 * block,  # and their gradients N times
+def walked_messages(method: str, N: int, block: int, grad: int) -> dict[str, int]:
+    """Bytes rank 0 sends, message by message (block: one rank's keys or values)."""
+    if method == "ring":  # K and V on to the next rank at steps 0 .. N-2, twice;
+        forward = sum(2 * block for step in range(N - 1))  # gradients at 1 .. N-1
+        gradients = sum(2 * grad for step in range(1, N))
+        return {"forward": forward, "backward": forward + gradients}
+    # a ring all-gather: at each of N-1 steps, forward the pair received last;
+    # a ring reduce-scatter of 2N gradient blocks: N-1 steps of 2N/N blocks
+    return {
+        "forward": sum(2 * block for _ in range(N - 1)),
+        "backward": sum(2 * N * block // N for _ in range(N - 1)),
     }
-    assert ring_bytes_per_rank(2, 3, 64, 8, 1, 2) == {
-        "forward": 0,
-        "backward": 2 * (2 * 3 * 64 * 8 * 2),
-    }
+
+
+@pytest.mark.parametrize("method", ["ring", "allgather"])
+@pytest.mark.parametrize("dtype_bytes", [2, 8])
+def test_ring_and_allgather_bytes_walk_the_messages(method, dtype_bytes):
+    B, H, T, D, N = 2, 3, 64, 8, 4
+    block = B * H * (T // N) * D
+    expected = walked_messages(
+        method, N, block * dtype_bytes, block * max(dtype_bytes, 4)
+    )
+    assert context_bytes_per_rank(method, B, H, T, D, N, dtype_bytes) == expected
+    alone = context_bytes_per_rank(method, B, H, T, D, 1, dtype_bytes)
+    assert alone == {"forward": 0, "backward": 0}
+
+
+def test_grouped_query_heads_shrink_the_ring_and_ulysses_sends_less():
+    B, H, T, D, N = 1, 8, 64, 4, 4
+    full = context_bytes_per_rank("ring", B, H, T, D, N, 2)
+    gqa = context_bytes_per_rank("ring", B, H, T, D, N, 2, kv_heads=2)
+    assert {k: 4 * v for k, v in gqa.items()} == full  # 8 / 2 heads travel
+    # Ulysses: 4 tensors of B H T/N D values, (N-1)/N of each leaves
+    ulysses = context_bytes_per_rank("ulysses", B, H, T, D, N, 2)
+    assert ulysses["forward"] == 4 * B * H * (T // N) * D * 2 * (N - 1) // N
+    assert ulysses["forward"] < full["forward"]
+    with pytest.raises(CourseError, match="divisible"):
+        context_bytes_per_rank("ulysses", B, 6, T, D, N, 2)
+    with pytest.raises(CourseError, match="choose one of"):
+        context_bytes_per_rank("striped", B, H, T, D, N, 2)
+
+
+def test_blocks_merged_by_log_sum_exp_are_attention():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (
+        torch.randn(2, 3, 24, 8, generator=g, dtype=torch.float64) for _ in "qkv"
+    )
+    whole = F.scaled_dot_product_attention(q, k, v)
+    for blocks in (1, 2, 4):
+        assert torch.allclose(attend_in_blocks(q, k, v, blocks), whole, atol=1e-13)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -124,12 +170,27 @@ def test_saved_bytes_of_the_split_variants():
     assert attention_saved_bytes("ring", B, H, T, D, N, 4) * N == attention_saved_bytes(
         "sdpa", B, H, T, D, 1, 4
     )
+    ring = attention_saved_bytes("ring", B, H, T, D, N, 8)
+    assert attention_saved_bytes("ulysses", B, H, T, D, N, 8) == ring + 2 * T * 8
     gathered = attention_saved_bytes("allgather", B, H, T, D, N, 4, causal=False)
     assert gathered == (B * H * ((2 * D + 1) * T // N + 2 * D * T)) * 4
     mask = (T // N) * T * 4
     assert attention_saved_bytes("allgather", B, H, T, D, N, 4) == gathered + mask
     with pytest.raises(CourseError, match="choose one of"):
         attention_saved_bytes("flash", B, H, T, D, N, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_fused_saved_bytes_with_grouped_query_heads_are_measured(dtype):
+    """The CPU's fused kernel keeps k and v ungrouped, the log-sum-exp in float32
+    at least."""
+    B, H, kv, T, D = 2, 4, 2, 16, 8
+    q = torch.randn(B, H, T, D, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(B, kv, T, D, dtype=dtype, requires_grad=True) for _ in "kv")
+    with SavedTensors() as fused:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    b = dtype.itemsize
+    assert fused.nbytes == attention_saved_bytes("sdpa", B, H, T, D, 1, b, kv_heads=kv)
 
 
 def routed(counts: list[int], capacity: int) -> int:
@@ -165,6 +226,37 @@ def test_all_to_all_bytes_leave_out_the_own_slice():
         all_to_all_bytes_per_rank(6, 40, 16, 4, 8)
 
 
+def test_dropless_bytes_follow_each_choice():
+    counts = [[5, 0, 9, 1], [2, 2, 2, 2]]  # 2 ranks, experts 0-1 on rank 0
+    row = 16 * 2
+    dispatch, combine = [0, 0], [0, 0]
+    for source, row_counts in enumerate(counts):  # one choice at a time
+        for expert, count in enumerate(row_counts):
+            home = expert // 2
+            for _ in range(count):
+                if home != source:
+                    dispatch[source] += row  # there, from the source
+                    combine[home] += row  # and back, from the expert's rank
+    assert dropless_bytes_per_rank(counts, 16, 2) == [
+        {"dispatch": d, "combine": c} for d, c in zip(dispatch, combine)
+    ]
+
+
+def test_flops_per_byte_of_an_expert_layer_are_counted():
+    """FLOPs of one expert MLP over rows that (N - 1)/N of travel, there and back."""
+    d, hidden, rows, N, b = 16, 64, 40, 4, 2
+    x = torch.randn(rows, d)
+    w1, w2 = torch.randn(d, hidden), torch.randn(hidden, d)
+    with FlopCounterMode(display=False) as counter:
+        torch.nn.functional.gelu(x @ w1) @ w2
+    sent = 2 * rows * (N - 1) // N * d * b
+    assert counter.get_total_flops() / sent == pytest.approx(
+        expert_flops_per_byte(hidden, b, N)
+    )
+    with pytest.raises(CourseError, match="world_size >= 2"):
+        expert_flops_per_byte(hidden, b, 1)
+
+
 def test_chunks_and_bad_splits():
     assert chunks_held(1, 4, "plain") == [1]
     assert chunks_held(1, 4, "zigzag") == [1, 6]
@@ -189,8 +281,13 @@ def test_figures_draw_one_patch_per_block():
         assert len(ax.patches) == 16
         counts = [[5, 0, 9, 1], [2, 2, 2, 2]]
         ax = plot_token_flow(counts, capacity=4)
-        red = [p for p in ax.patches if p.get_facecolor() == to_rgba("tab:red")]
-        assert len(red) == 2  # expert 0 and expert 2 drop choices of rank 0
+        dropped = [p for p in ax.patches if p.get_hatch() == "///"]
+        assert len(dropped) == 2  # expert 0 and expert 2 drop choices of rank 0
+        assert sorted(p.get_height() for p in dropped) == [1, 5]  # 5 - 4, 9 - 4
+        assert all(p.get_edgecolor() == to_rgba("C0") for p in dropped)  # rank 0's
+        bars = [p for p in ax.patches if p not in dropped and p.get_width() < 0.5]
+        assert sum(p.get_height() for p in bars) == 4 + 0 + 4 + 1 + 2 * 4  # kept
+        assert len(ax.lines) == 4  # one dashed capacity line per expert
         with pytest.raises(CourseError, match="one row per rank"):
             plot_token_flow([[1, 2, 3, 4], [1, 2]], capacity=2)
     finally:

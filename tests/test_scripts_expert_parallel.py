@@ -13,8 +13,8 @@ What is expected is computed here, independently of the script:
 - launched on 2 processes, the losses equal the same model trained here in
   one process on the same global batches, each rank's share routed alone.
 
-``make test`` launches once (2 processes); 4 processes, bad input and the
-chapter's check on 4 processes are marked slow.
+``make test`` launches once (2 processes); 4 processes, dropless routing,
+bad input and the chapter's checks on 4 processes are marked slow.
 """
 
 from __future__ import annotations
@@ -51,9 +51,12 @@ def test_with_plain_mlps_it_is_the_course_gpt():
 
 
 def loop_over_choices(moe: ep.MoE, tokens: torch.Tensor) -> torch.Tensor:
-    """The layer, one choice at a time: every token's first choice, then second ones."""
+    """The layer, one choice at a time: every token's first choice, then second
+    ones, each kept while its expert has a free slot (dropless: always)."""
     probs = moe.router(tokens).softmax(dim=-1)
     gate, expert = probs.topk(moe.config.top_k, dim=-1)
+    if moe.config.normalize_gates:
+        gate = gate / gate.sum(dim=-1, keepdim=True)
     capacity = moe.capacity(len(tokens))
     used = [0] * moe.config.n_experts
     out = torch.zeros_like(tokens)
@@ -64,10 +67,12 @@ def loop_over_choices(moe: ep.MoE, tokens: torch.Tensor) -> torch.Tensor:
                 used[e] += 1
                 hidden = F.gelu(tokens[t] @ moe.fc[e]) @ moe.proj[e]
                 out[t] += gate[t, choice] * hidden
+    if moe.shared is not None:
+        out += moe.shared.proj(F.gelu(moe.shared.fc(tokens)))
     return out
 
 
-@pytest.mark.parametrize("capacity_factor", [0.5, 1.0, 4.0])
+@pytest.mark.parametrize("capacity_factor", [0.5, 1.0, 4.0, 0.0])
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_the_layer_is_a_loop_over_choices(capacity_factor, top_k):
     config = ep.GPTConfig(
@@ -81,7 +86,24 @@ def test_the_layer_is_a_loop_over_choices(capacity_factor, top_k):
             moe(tokens)[0], loop_over_choices(moe, tokens[0]), atol=1e-14
         )
     assert moe.load.sum() == 40 * top_k
-    assert moe.capacity(40) == expert_capacity(40, 4, top_k, capacity_factor)
+    if capacity_factor:
+        assert moe.capacity(40) == expert_capacity(40, 4, top_k, capacity_factor)
+    else:  # dropless: an expert can take every token
+        assert moe.capacity(40) == 40
+
+
+def test_renormalised_gates_and_shared_experts_are_a_loop_too():
+    config = ep.GPTConfig(
+        n_embd=8, n_experts=4, top_k=2, capacity_factor=0, normalize_gates=True
+    )
+    torch.manual_seed(0)
+    moe = ep.MoE(ep.GPTConfig(**{**config.__dict__, "n_shared": 1})).double()
+    tokens = torch.randn(1, 40, 8, dtype=torch.float64)
+    with torch.no_grad():
+        assert torch.allclose(
+            moe(tokens)[0], loop_over_choices(moe, tokens[0]), atol=1e-14
+        )
+    assert moe.shared.fc.weight.shape == (4 * 8, 8)  # one expert's width
 
 
 def test_the_balance_loss_is_one_without_preference():
@@ -102,6 +124,13 @@ def whole_log(args: list[str], groups: int) -> dict:
     [
         (2, ["--steps", "2", "--layers", "1", "--seq-len", "32"]),
         pytest.param(4, ["--steps", "2", "--experts", "8"], marks=pytest.mark.slow),
+        pytest.param(
+            2,
+            ["--steps", "2", "--capacity-factor", "0", "--normalize-gates"]
+            + ["--shared-experts", "1", "--layers", "1", "--seq-len", "32"],
+            marks=pytest.mark.slow,
+            id="dropless",
+        ),
     ],
 )
 def test_experts_on_processes_train_as_one_process(nproc, args):
@@ -119,6 +148,11 @@ def test_experts_that_do_not_divide_are_one_sentence():
 
 
 @pytest.mark.slow
-def test_the_chapters_check_on_four_processes():
-    result = launch("checks/expert_parallel.py", nproc=4, timeout=200)
-    assert all(result["checks"].values()), result["checks"]
+def test_the_chapters_checks_on_four_processes():
+    """Chapter 14 runs both checks in one launch (checks/long_context.py)."""
+    result = launch("checks/long_context.py", nproc=4, timeout=400)
+    for name in ("context", "experts"):
+        assert all(result[name]["checks"].values()), (name, result[name]["checks"])
+    assert result["experts"]["flops_per_byte"]["predicted"] == pytest.approx(
+        2 * 64 * 4 / (3 * 8)  # hidden 4 d = 64, 4 ranks, float64
+    )

@@ -5,15 +5,24 @@ Each test starts 2 processes on gloo (``run_ranks``, as srun would, or
 right rank and the right collective or cause:
 
 - mismatched collectives: ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (shape, order,
-  a rank-0-only collective) and the Flight Recorder's dumps;
+  a rank-0-only collective, a missing rank) and the Flight Recorder's dumps,
+  on by default and off with ``TORCH_FR_BUFFER_SIZE=0``;
 - a skipped collective: ``monitored_barrier`` names the rank with more data;
-  the three fixes (sampler, join, equal steps) finish;
-- a dead or stuck rank: torchrun's summary (root cause, ``@record``'s error
-  file, a signal), restarts, every rank's stack from ``faulthandler`` (on a
-  stall and on ``SIGUSR1``);
-- silent drift: the cross-rank checks name the parameter or the data bug;
+  the three fixes (sampler, join, equal steps) finish, and with ``join()``
+  the replicas part in the next epoch (momentum);
+- a stuck, missing, dead or out-of-memory rank: torchrun's summary (root
+  cause, ``@record``'s error file, a signal), restarts (with and without a
+  separate rendezvous store), every rank's stack from ``faulthandler`` (on a
+  stall, on ``SIGUSR1`` by process, not by name) and from the worker server,
+  a rendezvous that never completes, an allocator that refuses;
+- silent drift and data bugs: the cross-rank checks name the parameter or
+  the data bug, and a short last batch is no false alarm;
+- numbers: ``--watch`` stops a NaN before the all-reduce spreads it (without
+  it, it spreads) and names the straggler;
 - a smaller world: 2 processes lose one, 1 resumes from the DCP checkpoint
-  and ends on the uninterrupted run's losses (float64, 1e-12);
+  and ends on the uninterrupted run's samples and losses (float64, 1e-12);
+- canaries for what the chapter says torch does: DDP under DETAIL on gloo
+  still crashes, fr_trace still fails on gloo's dumps;
 - the lines chapter 15's exercises quote are what the script prints;
 - the same diagnoses under the oldest torch the course supports, where that
   environment exists (``make test-oldest`` builds .venv-oldest; another
@@ -26,6 +35,7 @@ slow. No test waits for a default time-out: every hang ends within seconds.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -34,6 +44,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 from launchers import clean_environment, free_port
 from test_failures import exercise_blocks  # the exercises' quoted lines
 
@@ -46,12 +58,16 @@ from companion.failures import (
     find_mismatch,
     find_root_cause,
     find_stacks,
+    find_watch,
+    flight_records_from_json,
     read_flight_records,
     run_ranks,
     run_torchrun,
     sanitize,
+    stacks_on_demand,
     where_stuck,
 )
+from companion.scripts import failures
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "companion" / "scripts" / "failures.py"
@@ -76,7 +92,6 @@ PYTHONS = [
     ),
 ]
 DETAIL = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
-FLIGHT = {"TORCH_FR_BUFFER_SIZE": "2000"}
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -145,7 +160,7 @@ def test_order_times_out_and_the_flight_recorder_names_the_collectives(
 ):
     folder = tmp_path / "fr"
     args = ["--fail", "order", "--timeout", "2", "--flight-recorder", folder]
-    run = run_ranks(SCRIPT, args, env=FLIGHT, python=python)
+    run = run_ranks(SCRIPT, args, python=python)  # the Flight Recorder's default
     assert run.returncodes == [1, 1] and not run.timed_out and run.seconds < 60
     errors = find_gloo_errors(run.outputs)  # who gives up first is a race
     assert "timed out after 2000 ms" in errors.values()
@@ -166,7 +181,7 @@ def test_torchs_analyser_fails_on_gloo_dumps_as_the_chapter_says(tmp_path):
     release fixes that, this test fails, and the text should change."""
     folder = tmp_path / "fr"
     args = ["--fail", "order", "--timeout", "2", "--flight-recorder", folder]
-    run_ranks(SCRIPT, args, env=FLIGHT)
+    run_ranks(SCRIPT, args)
     analyse = subprocess.run(
         [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", folder],
         capture_output=True,
@@ -178,10 +193,48 @@ def test_torchs_analyser_fails_on_gloo_dumps_as_the_chapter_says(tmp_path):
 
 
 @pytest.mark.slow
+def test_the_flight_recorder_is_on_by_default_and_off_with_zero(tmp_path):
+    args = ["--fail", "order", "--timeout", "2", "--flight-recorder"]
+    run_ranks(SCRIPT, [*args, tmp_path / "default"])
+    run_ranks(SCRIPT, [*args, tmp_path / "off"], env={"TORCH_FR_BUFFER_SIZE": "0"})
+    on, off = (read_flight_records(tmp_path / n) for n in ("default", "off"))
+    assert all(len(entries) > 10 for entries in on.values()) and len(on) == 2
+    assert off == {0: [], 1: []}
+
+
+@pytest.mark.slow
+def test_detail_names_a_missing_rank_with_its_barrier():
+    """DETAIL's wrapper runs a monitored barrier before each collective: a rank
+    stuck outside any collective is named after the group's time-out."""
+    run = run_ranks(
+        SCRIPT, ["--fail", "stuck", "--shard", "--timeout", "3"], env=DETAIL
+    )
+    assert run.returncodes[0] == 1
+    assert find_barrier_report(run.outputs[0]).missing == (1,)
+
+
+@pytest.mark.slow
+def test_ddp_under_detail_on_gloo_still_crashes(tmp_path):
+    """Chapter 15 says DDP's constructor segfaults on gloo under DETAIL (2.10,
+    2.14.1), which is why the script refuses it: if a release fixes that, this
+    test fails, and the text and the refusal should change."""
+    script = tmp_path / "ddp_detail.py"
+    script.write_text(
+        "import torch, torch.distributed as dist\n"
+        "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "dist.init_process_group('gloo')\n"
+        "DDP(torch.nn.Linear(2, 2))\n"
+        "dist.destroy_process_group()\n"
+    )
+    assert run_ranks(script, env=DETAIL).returncodes == [-signal.SIGSEGV] * 2
+    assert run_ranks(script).returncodes == [0, 0]
+
+
+@pytest.mark.slow
 def test_rank0_only_flight_records_are_exercise_2(tmp_path):
     folder = tmp_path / "fr"
     args = ["--fail", "rank0-only", "--timeout", "2", "--flight-recorder", folder]
-    run_ranks(SCRIPT, args, env=FLIGHT)
+    run_ranks(SCRIPT, args)
     records = read_flight_records(folder)
     shown = {
         rank: ", ".join(
@@ -237,6 +290,19 @@ def test_each_fix_of_uneven_data_finishes(python, fix, steps, tmp_path):
     run = run_ranks(SCRIPT, args, python=python)
     assert run.returncodes == [0, 0], run.text[-2000:]
     assert json.loads(out.read_text())["steps_by_rank"] == steps
+
+
+@pytest.mark.slow
+def test_join_keeps_the_parameters_equal_but_not_the_momentum():
+    """join() broadcasts the last joiner's parameters, not the optimizer's
+    state: the next epoch's steps move the replicas apart, which the replica
+    check (run while every rank is still in join()) names."""
+    args = ["--fail", "uneven", "--fix", "join", "--check-every", "4"]
+    run = run_ranks(SCRIPT, [*args, "--timeout", "10"])
+    assert run.returncodes == [1, 1] and not run.timed_out
+    steps = [find_drift(output).step for output in run.outputs]
+    assert steps == [11, 12]  # 4 steps into epoch 2: rank 0 took 7 in epoch 1
+    assert all(find_drift(o).kind == "replicas" for o in run.outputs)
 
 
 # ---- a dead or stuck rank
@@ -310,6 +376,119 @@ def test_sigusr1_prints_every_ranks_stack(tmp_path):
 
 
 @pytest.mark.slow
+def test_sigusr1_by_name_kills_torchrun_and_by_parent_reaches_the_workers(tmp_path):
+    """Chapter 15: signal torchrun's workers by their parent, not by name
+    (pkill -f), which also hits the agent, whose default action is to die and
+    leave its workers running."""
+    env = clean_environment(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    log = tmp_path / "out.txt"
+
+    def start() -> subprocess.Popen:
+        log.write_text("")
+        return subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+            + ["--nproc-per-node=2", "--tee=3", str(SCRIPT), "--fail", "stuck"]
+            + ["--timeout", "60"],
+            stdout=open(log, "w"),
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+
+    def workers(agent: subprocess.Popen) -> list[int]:
+        deadline = time.monotonic() + 120
+        while "epoch 1/3" not in log.read_text():  # stuck at step 10, soon after
+            assert time.monotonic() < deadline and agent.poll() is None
+            time.sleep(0.2)
+        time.sleep(1.0)
+        found = subprocess.run(
+            ["pgrep", "-P", str(agent.pid)], capture_output=True, text=True, check=True
+        )
+        return [int(pid) for pid in found.stdout.split()]
+
+    agent = start()
+    try:
+        pids = workers(agent)
+        subprocess.run(["pkill", "-USR1", "-P", str(agent.pid)], check=True)
+        time.sleep(1.5)
+        stacks = find_stacks(log.read_text())
+        assert agent.poll() is None  # the agent lives on
+        assert where_stuck(stacks[1]) == "load_batch" and 0 in stacks
+        for pid in [agent.pid, *pids]:  # what pkill -f reaches: all of them
+            os.kill(pid, signal.SIGUSR1)
+        agent.wait(timeout=30)
+        assert agent.returncode == -signal.SIGUSR1  # status 138 in a shell
+        time.sleep(1.0)
+        alive = [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+    finally:
+        for pid in [agent.pid, *pids]:  # the workers have sessions of their own
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert alive == pids  # workers left behind, as orphans
+
+
+@pytest.mark.slow
+def test_a_worker_server_answers_while_a_rank_hangs(tmp_path):
+    sockets = tmp_path / "sockets"
+    run = run_torchrun(
+        SCRIPT,
+        ["--fail", "stuck", "--timeout", "6", "--debug-socket", sockets],
+        probe=lambda: stacks_on_demand(sockets, {0: "backward", 1: "load_batch"}),
+    )
+    asked = run.probed
+    stacks = find_stacks([asked["stacks"][r] for r in range(2)])
+    assert where_stuck(stacks[0]) == "train (in backward)"
+    assert where_stuck(stacks[1]) == "load_batch"
+    records = flight_records_from_json(asked["flight_records"])
+    assert records[0][-1].op == "all_reduce"
+    assert compare_flight_records(records).missing == (1,)
+
+
+@pytest.mark.slow
+def test_a_rank_that_never_comes_stops_rank_0_in_its_set_up():
+    run = run_ranks(SCRIPT, ["--timeout", "2"], nproc=2, ranks=[0])
+    assert run.returncodes == [2] and not run.timed_out
+    assert "1/2 clients joined" in run.outputs[0]
+
+
+@pytest.mark.slow
+def test_one_rank_out_of_memory_and_its_peer_loses_it():
+    run = run_ranks(SCRIPT, ["--fail", "oom", "--timeout", "10"])
+    assert run.returncodes == [1, 1] and not run.timed_out
+    assert find_gloo_errors(run.outputs) == {
+        0: "lost the connection to a peer",
+        1: "ran out of memory",
+    }
+
+
+@pytest.mark.slow
+def test_restarts_without_a_separate_store_can_fail():
+    """Chapter 15 says to set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in 2.14 for
+    runs that restart (run_torchrun sets it). Without it, the restart fails
+    now and then (a Gloo connectFullMesh error, or a hang): this canary tries
+    up to 6 times and wants one failure; if every try restarts cleanly, torch
+    has fixed it, and the text should change. With the variable the restart
+    works every time (test_a_crash_is_restarted_then_summarised...)."""
+    for _ in range(6):
+        run = run_torchrun(
+            SCRIPT,
+            ["--fail", "crash"],
+            max_restarts=1,
+            env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"},
+            timeout=45,
+        )
+        root = find_root_cause(run.text)
+        restarted = (
+            "after restart 1" in run.text and root and "ValueError" in root.error
+        )
+        if run.timed_out or not restarted:
+            return
+    pytest.fail("six restarts without a separate store all worked")
+
+
+@pytest.mark.slow
 def test_a_killed_worker_is_restarted_and_ends_where_an_unbroken_run_does(tmp_path):
     args = ["--checkpoint-dir", tmp_path / "ck", "--checkpoint-every", "4"]
     broken = run_torchrun(
@@ -344,6 +523,72 @@ def test_the_checks_name_each_drift(fail, kind, step, detail):
     for output in run.outputs:  # every rank stops, with the same diagnosis
         drift = find_drift(output)
         assert (drift.kind, drift.step, drift.detail) == (kind, step, detail)
+        if kind == "replicas":  # a softmax head: its sum stays, its norm moves
+            assert drift.sum_gap < 1e-12 and drift.norm_gap > 1e-3
+
+
+@pytest.mark.slow
+def test_a_short_last_batch_is_not_a_missing_sample():
+    """250 samples in batches of 32 leave 26 out of every epoch: the batching's
+    choice, not two samplers that disagree."""
+    run = run_ranks(SCRIPT, ["--samples", "250", "--check-every", "4"], nproc=1)
+    assert run.returncodes == [0], run.text[-2000:]
+
+
+# ---- numbers that go wrong
+
+
+@pytest.fixture
+def alone():
+    """A process group of this one process."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_the_watch_stops_spikes_and_nans_and_times_the_ranks(alone):
+    model = torch.nn.Linear(2, 2)
+    history = [0.3] * 8
+    start = time.perf_counter()
+    seconds = failures.watch(torch.tensor(2.9), start, 5, history, model)
+    assert len(seconds) == 1 and 0 <= seconds[0] < 5
+    assert history[-1] == pytest.approx(2.9)
+    for loss in (3.1 * 10, math.nan, math.inf):  # above 10 x the recent median
+        with pytest.raises(RuntimeError, match="step 6: the loss is") as raised:
+            failures.watch(torch.tensor(loss), start, 6, list(history), model)
+        stopped = find_watch(str(raised.value))
+        assert stopped.step == 6 and list(stopped.losses) == [0]
+        assert stopped.weights_finite
+    with torch.no_grad():
+        model.weight[0, 0] = math.nan
+    with pytest.raises(RuntimeError, match="not all finite"):
+        failures.watch(torch.tensor(math.nan), start, 7, [], model)
+
+
+@pytest.mark.slow
+def test_the_watch_stops_a_nan_before_the_all_reduce_spreads_it(tmp_path):
+    run = run_ranks(SCRIPT, ["--fail", "nan", "--watch"])
+    assert run.returncodes == [1, 1]
+    for output in run.outputs:
+        stopped = find_watch(output)
+        assert (stopped.step, list(stopped.losses)) == (10, [1])
+        assert stopped.weights_finite
+    out = tmp_path / "results.json"
+    silent = run_ranks(SCRIPT, ["--fail", "nan", "--results", out])
+    assert silent.returncodes == [0, 0]  # without the watch: no error at all,
+    losses = json.loads(out.read_text())["losses"]
+    assert not any(math.isnan(x) for x in losses[:10])
+    assert all(math.isnan(x) for x in losses[10:])  # and NaN from step 10 on
+
+
+@pytest.mark.slow
+def test_the_watch_names_the_straggler(tmp_path):
+    out = tmp_path / "results.json"
+    run = run_ranks(SCRIPT, ["--fail", "slow", "--watch", "--results", out])
+    assert run.returncodes == [0, 0]
+    busy = json.loads(out.read_text())["seconds_before_all_reduce"]
+    assert busy[1] == max(busy) and busy[1] - busy[0] > 0.025
+    assert "slowest: rank 1" in run.outputs[0]
 
 
 @pytest.mark.slow
@@ -390,6 +635,10 @@ def test_resuming_on_fewer_processes_follows_the_unbroken_run(python, tmp_path):
         results(tmp_path, "straight.json"),
     )
     assert resumed["start_step"] == 8 and resumed["world_size"] == 1
+    assert resumed["samples"] == straight["samples"][8:]  # the same data, in order
+    assert len(straight["samples"]) == 24 and all(
+        len(batch) == 32 for batch in straight["samples"]
+    )
     assert (
         max(abs(x - y) for x, y in zip(resumed["losses"], straight["losses"])) < 1e-12
     )
@@ -420,8 +669,14 @@ def test_bad_arguments_are_one_sentence():
         check=False,
     )
     assert ran.returncode == 2
-    assert (
-        ran.stderr.strip()
-        .splitlines()[-1]
-        .endswith("--fix join works with DDP, not with --shard")
+    last = ran.stderr.strip().splitlines()[-1]
+    assert "--fix join works with DDP and without --checkpoint-every" in last
+    ran = subprocess.run(
+        [sys.executable, SCRIPT, "--fix", "join", "--checkpoint-dir", "x"]
+        + ["--checkpoint-every", "4"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
+    assert ran.returncode == 2 and "would never join the save" in ran.stderr

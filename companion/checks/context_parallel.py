@@ -3,26 +3,33 @@
     torchrun --standalone --nproc-per-node=4 companion/checks/context_parallel.py
 
 For every split (plain, zig-zag), mask (causal or not) and method (ring,
-all-gather), each rank runs the script's ``attention`` on its part of a
-float64 sequence and its backward pass, and compares its output and its
-gradients of q, k and v with ``F.scaled_dot_product_attention`` on the whole
-sequence (which every rank computes alone). Meanwhile it counts, by wrapping
-the script's own functions:
+all-gather, Ulysses' all-to-all), each rank runs the script's ``attention`` on
+its part of a float64 sequence and its backward pass, and compares its output
+and its gradients of q, k and v with ``F.scaled_dot_product_attention`` on the
+whole sequence (which every rank computes alone); then the ring once more
+with grouped-query attention (half as many key-value heads) and once in
+bfloat16 (against float64 attention on the same rounded inputs). Meanwhile it
+counts, by wrapping the script's own functions:
 
 - the scores each rank computes at each step of the ring (``scores``),
   forward and backward;
-- the bytes each rank sends to the next (``ring_pass``), and the elements
-  the all-gather variant hands to its collectives;
+- the calls each method makes to ``ring_pass``, the all-gather, the
+  reduce-scatter and ``send_slices`` (the all-to-all), and the bytes each
+  sends to the others, as a ring algorithm sends them: all of a ring pass,
+  N - 1 times its input for an all-gather, (N - 1)/N of it for a
+  reduce-scatter or an all-to-all;
 - the bytes attention keeps for backward (``companion.memory.SavedTensors``),
   on every rank, and for the unsplit attention, written out and fused.
 
 It also trains the script's copy model for a few steps in float64, split
-across the ranks and, on rank 0, whole in one process, and then for the
-script's default run (float32, split). On CUDA it runs torch's own
-``context_parallel`` as well. Rank 0 compares every count with its formula
-in ``companion.long_context`` and writes the results (``--results FILE``)
-for chapter 14. Exit codes: 0 every count meets its formula; 3 one missed,
-said in one sentence; 2 bad input; 1 crashed.
+across the ranks and, on rank 0, whole in one process; for 2 steps with
+each of two mistakes (the positions of a plain split under a zig-zag one; no
+all-reduce of the gradients); and then for the script's default run (float32,
+split). It tries torch's own ``context_parallel`` (on a CPU it raises, and
+the error is kept). Rank 0 compares every count with its formula in
+``companion.long_context`` and writes the results (``--results FILE``) for
+chapter 14. Exit codes: 0 every count meets its formula; 3 one missed, said
+in one sentence; 2 bad input; 1 crashed.
 """
 
 from __future__ import annotations
@@ -42,17 +49,18 @@ from companion.checking import every_rank, finish, first_miss, print0, tolerance
 from companion.long_context import (
     attention_saved_bytes,
     chunks_held,
-    ring_bytes_per_rank,
+    context_bytes_per_rank,
     ring_work_per_step,
 )
 from companion.memory import SavedTensors
 from companion.scripts import ring_attention as ra
 
 DTYPE = torch.float64
+BF16_TOLERANCE = 0.05  # bfloat16 keeps 8 bits: about 4e-3 relative per value
 
 
 class Counters:
-    """Scores per (phase, step) and bytes sent per phase, counted on this rank."""
+    """Scores per (phase, step), calls and bytes sent per phase, on this rank."""
 
     def __init__(self, world_size: int, split: str) -> None:
         self.world_size, self.phase = world_size, "forward"
@@ -63,36 +71,43 @@ class Counters:
         }
         self.scores: dict[str, list[int]] = defaultdict(lambda: [0] * world_size)
         self.sent: dict[str, int] = defaultdict(int)
-        self.collective: dict[str, int] = defaultdict(int)
+        self.calls: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
 
 
 @contextlib.contextmanager
 def counting(counters: Counters) -> Iterator[None]:
-    """Wrap the script's ``scores``, ``ring_pass`` and its two collectives."""
-    rank = dist.get_rank()
-    names = ("scores", "ring_pass", "all_gather_single", "reduce_scatter_single")
-    original = {name: getattr(ra, name) for name in names}
+    """Wrap the script's ``scores``, ``ring_pass``, ``send_slices`` and its two
+    collectives; count the bytes that leave this rank as a ring algorithm sends
+    them."""
+    rank, N = dist.get_rank(), dist.get_world_size()
+    names = ("ring_pass", "all_gather_single", "reduce_scatter_single", "send_slices")
+    share = {  # of the input's bytes, times N: what leaves this rank
+        "ring_pass": N,
+        "all_gather_single": N * (N - 1),
+        "reduce_scatter_single": N - 1,
+        "send_slices": N - 1,
+    }
+    original = {name: getattr(ra, name) for name in ("scores", *names)}
 
     def scores(q, k, q_chunk, k_chunk, causal):
         step = (rank - counters.owner[k_chunk]) % counters.world_size
         counters.scores[counters.phase][step] += q.shape[-2] * k.shape[-2]
         return original["scores"](q, k, q_chunk, k_chunk, causal)
 
-    def ring_pass(tensor):
-        counters.sent[counters.phase] += tensor.numel() * tensor.element_size()
-        return original["ring_pass"](tensor)
+    def counted(name: str):
+        def function(*args):
+            x = args[0] if name in ("ring_pass", "send_slices") else args[1]
+            counters.calls[counters.phase][name] += 1
+            counters.sent[counters.phase] += (
+                x.numel() * x.element_size() * share[name] // N
+            )
+            return original[name](*args)
 
-    def all_gather_single(out, x):
-        counters.collective["all-gather input"] += x.numel() * x.element_size()
-        return original["all_gather_single"](out, x)
+        return function
 
-    def reduce_scatter_single(out, x):
-        counters.collective["reduce-scatter input"] += x.numel() * x.element_size()
-        return original["reduce_scatter_single"](out, x)
-
-    wrapped = (scores, ring_pass, all_gather_single, reduce_scatter_single)
-    for name, function in zip(names, wrapped):
-        setattr(ra, name, function)
+    ra.scores = scores
+    for name in names:
+        setattr(ra, name, counted(name))
     try:
         yield
     finally:
@@ -104,41 +119,48 @@ def whole_sequence(args: argparse.Namespace, device: torch.device) -> dict:
     """q, k, v and an output gradient for the whole sequence: the same on every rank."""
     g = torch.Generator().manual_seed(args.seed)
     shape = (args.batch, args.heads, args.seq_len, args.head_dim)
-    return {
+    data = {
         name: torch.randn(shape, generator=g, dtype=DTYPE).to(device)
         for name in ("q", "k", "v", "dout")
     }
+    data["k_few"], data["v_few"] = (  # grouped-query attention: half the heads
+        data[n][:, : args.heads // 2].contiguous() for n in "kv"
+    )
+    return data
 
 
-def check_case(
-    data: dict, causal: bool, split: str, method: str, rank: int, world_size: int
-) -> dict:
-    """One split, mask and method: differences from the whole sequence, and counts."""
-    q, k, v = (data[n].clone().requires_grad_() for n in "qkv")
-    reference = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    reference.backward(data["dout"])
+def check_case(case: dict, data: dict, rank: int, world_size: int) -> dict:
+    """One case: differences from the whole sequence, and counts."""
+    causal, split, method = case["causal"], case["split"], case["method"]
+    dtype = torch.bfloat16 if case["dtype"] == "bfloat16" else DTYPE
+    few = case["kv_heads"] < data["q"].shape[1]
+    inputs = [data["q"], data["k_few" if few else "k"], data["v_few" if few else "v"]]
+    inputs = [t.to(dtype).to(DTYPE) for t in inputs]  # the rounded values, in float64
+    q, k, v = (t.clone().requires_grad_() for t in inputs)
+    reference = F.scaled_dot_product_attention(
+        q, k, v, is_causal=causal, enable_gqa=few
+    )
+    reference.backward(data["dout"].to(dtype).to(DTYPE))
     expected = [reference.detach(), q.grad, k.grad, v.grad]
 
     def mine(t: torch.Tensor) -> torch.Tensor:
         return ra.shard(t, 2, rank, world_size, split)
 
-    local = [mine(data[n]).requires_grad_() for n in "qkv"]
+    local = [mine(t).to(dtype).requires_grad_() for t in inputs]
     counters = Counters(world_size, split)
     with counting(counters), SavedTensors() as saved:
         out = ra.attention(*local, causal, split, method)
     with counting(counters):
         counters.phase = "backward"
-        out.backward(mine(data["dout"]))
+        out.backward(mine(data["dout"]).to(dtype))
     got = [out.detach(), *(t.grad for t in local)]
-    diffs = [(g - mine(e)).abs().max().item() for g, e in zip(got, expected)]
+    diffs = [(g.to(DTYPE) - mine(e)).abs().max().item() for g, e in zip(got, expected)]
     return {
-        "causal": causal,
-        "split": split,
-        "method": method,
+        **case,
         "max_diff": dict(zip(["out", "dq", "dk", "dv"], diffs)),
         "scores": dict(counters.scores),
         "sent": dict(counters.sent),
-        "collective_input": dict(counters.collective),
+        "calls": {phase: dict(c) for phase, c in counters.calls.items()},
         "saved_bytes": saved.nbytes,
     }
 
@@ -157,30 +179,45 @@ def unsplit_saved_bytes(data: dict) -> dict[str, int]:
 
 
 def torch_context_parallel(data: dict, device: torch.device) -> dict:
-    """Torch's context_parallel against the whole sequence, where it runs.
+    """Torch's context_parallel against the whole sequence, with each rotate method.
 
     Its ring kernels exist for CUDA's flash, efficient and cuDNN attention,
-    in half precision or float32: float32 here, against float64. The CPU's
-    SDPA kernel has no context-parallel rule (torch 2.10 to 2.14 raise
-    NotImplementedError), so on a CPU this says so and runs nothing. Every
-    rank must call it: the ring needs them all.
+    in half precision or float32: float32 here, against float64. On a CPU it
+    is tried once and raises (torch 2.10 to 2.14: NotImplementedError, no
+    context-parallel rule for the CPU's flash kernel); the error is kept.
+    Every rank must call it: the ring needs them all.
     """
-    if device.type != "cuda":
-        return {"ran": False, "reason": "it needs CUDA's attention kernels"}
     q, k, v = (data[n] for n in "qkv")
-    try:
-        out = ra.torch_context_parallel(q.float(), k.float(), v.float(), device)
-    except (NotImplementedError, RuntimeError) as err:  # said, not hidden
-        return {"ran": False, "reason": f"{type(err).__name__}: {err}".splitlines()[0]}
     reference = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return {"ran": True, "max_diff": (out.double() - reference).abs().max().item()}
+    found = {}
+    for rotate in (
+        ("allgather", "alltoall") if device.type == "cuda" else ("allgather",)
+    ):
+        try:
+            out = ra.torch_context_parallel(
+                q.float(), k.float(), v.float(), device, rotate
+            )
+        except (NotImplementedError, RuntimeError) as err:  # said, not hidden
+            found[rotate] = {
+                "ran": False,
+                "error": type(err).__name__,
+                "message": str(err).strip().splitlines()[0],
+            }
+            continue
+        found[rotate] = {
+            "ran": True,
+            "max_diff": (out.double() - reference).abs().max().item(),
+        }
+    return found
 
 
 def training(args: argparse.Namespace, rank: int, world_size: int, device) -> dict:
     """The script's copy model: a few float64 steps split here and whole on
-    rank 0, then the script's whole training run (float32) split here."""
+    rank 0, two more with each of two mistakes, then the script's whole
+    training run (float32) split here."""
     steps = ["--steps", str(args.train_steps), "--split", args.train_split]
     short, full = ra.parse_args(steps), ra.parse_args(["--split", args.train_split])
+    two = ra.parse_args(["--steps", "2", "--split", args.train_split])  # mistakes
 
     def model(method: str) -> torch.nn.Module:
         torch.manual_seed(short.seed)
@@ -194,11 +231,32 @@ def training(args: argparse.Namespace, rank: int, world_size: int, device) -> di
         if rank == 0
         else []
     )
+    positions = ra.positions  # mistake 1: a plain split's positions for the embedding
+    ra.positions = lambda T, r, N, split: positions(T, r, N, "plain")
+    try:
+        wrong_positions = ra.train(
+            model("ring").to(device, DTYPE), two, rank, world_size, device
+        )
+    finally:
+        ra.positions = positions
+    all_reduce = dist.all_reduce  # mistake 2: each rank keeps its own gradients
+    dist.all_reduce = lambda tensor, *args, **kwargs: None
+    try:
+        alone = model("ring").to(device, DTYPE)
+        ra.train(alone, two, rank, world_size, device)
+    finally:
+        dist.all_reduce = all_reduce
     learned = ra.train(model("ring").to(device), full, rank, world_size, device)
     return {
         "split": short.split,
         "losses": split,
         "reference_losses": whole,
+        "mistakes": {
+            "wrong positions": wrong_positions,
+            "weights without all-reduce": torch.cat(
+                [p.detach().flatten() for p in alone.parameters()]
+            ).tolist(),
+        },
         "run": {
             "losses": learned,
             **{k: v for k, v in vars(full).items() if k != "results"},
@@ -209,64 +267,75 @@ def training(args: argparse.Namespace, rank: int, world_size: int, device) -> di
 def judge(run: dict, everyone: list[dict], tol: float) -> tuple[dict, str]:
     """On rank 0: the results with their formulas, and the sentence for exit code 3."""
     B, H, T, D = run["shape"]
-    N, b = run["world_size"], run["dtype_bytes"]
-    ring_bytes = ring_bytes_per_rank(B, H, T, D, N, b)
-    block = B * H * (T // N) * D * b
+    N, fused = run["world_size"], run["device"] == "cpu"
     cases = []
     for i, case in enumerate(run["cases"]):
         mine = [e["cases"][i] for e in everyone]
+        method, b = case["method"], 2 if case["dtype"] == "bfloat16" else 8
         work = ring_work_per_step(T, N, case["split"], case["causal"])
-        ring = case["method"] == "ring"
+        size = (B, H, T, D, N, b)
         predicted = {
             "scores": [{"forward": w, "backward": w} for w in work]
-            if ring
+            if method == "ring"
             else [{}] * N,
-            "sent": [ring_bytes] * N if ring else [{}] * N,
-            "collective_input": [{}] * N
-            if ring
-            else [
-                {"all-gather input": 2 * block, "reduce-scatter input": 2 * N * block}
-            ]
-            * N,
+            "sent": [context_bytes_per_rank(method, *size, case["kv_heads"])] * N,
             "saved_bytes": [
-                attention_saved_bytes(case["method"], B, H, T, D, N, b, case["causal"])
+                attention_saved_bytes(
+                    method, *size, case["causal"], kv_heads=case["kv_heads"]
+                )
             ]
             * N,
         }
-        measured = {key: [m[key] for m in mine] for key in predicted}
+        measured = {key: [m[key] for m in mine] for key in [*predicted, "calls"]}
+        allowed = BF16_TOLERANCE if case["dtype"] == "bfloat16" else tol
         cases.append(
             {
-                **{k: case[k] for k in ("causal", "split", "method")},
+                **{
+                    k: case[k]
+                    for k in ("causal", "split", "method", "kv_heads", "dtype")
+                },
                 "max_diff": max(max(m["max_diff"].values()) for m in mine),
+                "tolerance": allowed,
                 "measured": measured,
                 "predicted": predicted,
             }
         )
     unsplit = {
-        m: attention_saved_bytes(m, B, H, T, D, 1, b) for m in ("explicit", "sdpa")
+        m: attention_saved_bytes(m, B, H, T, D, 1, 8) for m in ("explicit", "sdpa")
     }
-    fused = run["device"] == "cpu"
     train = everyone[0]["training"]
     loss_diff = max(
         abs(a - r) for a, r in zip(train["losses"], train["reference_losses"])
     )
+    weights = [
+        e["training"]["mistakes"]["weights without all-reduce"] for e in everyone
+    ]
+    mistakes = {
+        "wrong positions": max(
+            abs(a - r)
+            for a, r in zip(
+                train["mistakes"]["wrong positions"], train["reference_losses"]
+            )
+        ),
+        "weights without all-reduce": max(
+            abs(a - b) for w in weights[1:] for a, b in zip(w, weights[0])
+        ),
+    }
+    # SDPA's formulas describe the CPU's fused kernel, which takes float64;
+    # CUDA runs float64 SDPA on its math kernel, which keeps the probabilities:
+    # there only the ring's bytes (its own autograd function) are predicted.
+    counted = [c for c in cases if fused or c["method"] == "ring"]
     checks = {
-        "outputs and gradients": all(c["max_diff"] <= tol for c in cases),
+        "outputs and gradients": all(c["max_diff"] <= c["tolerance"] for c in cases),
         "scores per step": all(
             c["measured"]["scores"] == c["predicted"]["scores"] for c in cases
         ),
         "bytes sent": all(
-            c["measured"][k] == c["predicted"][k]
-            for c in cases
-            for k in ("sent", "collective_input")
+            c["measured"]["sent"] == c["predicted"]["sent"] for c in cases
         ),
-        # SDPA's formulas describe the CPU's fused kernel, which takes float64;
-        # CUDA runs float64 SDPA on its math kernel, which keeps the T x T
-        # probabilities: there only the ring and the written-out attention count.
         "saved bytes": all(
             c["measured"]["saved_bytes"] == c["predicted"]["saved_bytes"]
-            for c in cases
-            if fused or c["method"] == "ring"
+            for c in counted
         )
         and all(
             run["unsplit_saved_bytes"][m] == unsplit[m]
@@ -274,10 +343,10 @@ def judge(run: dict, everyone: list[dict], tol: float) -> tuple[dict, str]:
         ),
         "training": loss_diff <= tol,
     }
-    worst = max(c["max_diff"] for c in cases)
+    worst = max(c["max_diff"] for c in cases if c["dtype"] == "float64")
     print0(
         f"{N} ranks: {len(cases)} cases, largest difference from the whole sequence "
-        f"~{worst:.1e}, from one process's training ~{loss_diff:.1e}"
+        f"~{worst:.1e} (float64), from one process's training ~{loss_diff:.1e}"
     )
     print0(
         "checks: "
@@ -286,23 +355,24 @@ def judge(run: dict, everyone: list[dict], tol: float) -> tuple[dict, str]:
     results = {
         **run,
         "cases": cases,
+        "saved_bytes_predicted_for": "every case" if fused else "the ring's cases",
         "unsplit_saved_bytes": {
             "measured": run["unsplit_saved_bytes"],
             "predicted": unsplit,
         },
-        "training": {**train, "max_loss_diff": loss_diff},
+        "training": {**train, "max_loss_diff": loss_diff, "mistakes": mistakes},
         "tolerance": tol,
         "checks": checks,
     }
     return results, first_miss(checks)
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     add = parser.add_argument
     add("--seq-len", type=int, default=48, help="positions (a multiple of 2 N)")
     add("--batch", type=int, default=2, help="sequences")
-    add("--heads", type=int, default=2, help="attention heads")
+    add("--heads", type=int, default=4, help="attention heads (a multiple of N)")
     add("--head-dim", type=int, default=8, help="values per head")
     add("--train-steps", type=int, default=5, help="steps of the training comparison")
     add("--train-split", default="zigzag", help="the split of the training runs")
@@ -310,38 +380,57 @@ def parse_args() -> argparse.Namespace:
     add("--seed", type=int, default=0, help="seed of q, k, v")
     add("--timeout", type=float, default=300, help="seconds to wait for other ranks")
     add("--results", help="a JSON file for rank 0's results")
-    return parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace, device) -> tuple[dict | None, str]:
+    """Every case and count on this rank; rank 0's results and failure sentence."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if args.seq_len % (2 * world_size) or args.heads % world_size or args.heads % 2:
+        ra.fail(
+            f"--seq-len {args.seq_len} must be a multiple of 2 x {world_size}, and "
+            f"--heads {args.heads} even and a multiple of {world_size}"
+        )
+    data = whole_sequence(args, device)
+    H = args.heads
+    cases = [
+        {"causal": c, "split": s, "method": m, "kv_heads": H, "dtype": "float64"}
+        for c, s, m in itertools.product(
+            (False, True), ("plain", "zigzag"), ("ring", "allgather", "ulysses")
+        )
+    ] + [
+        {
+            "causal": True,
+            "split": "zigzag",
+            "method": "ring",
+            "kv_heads": kv,
+            "dtype": t,
+        }
+        for kv, t in ((H // 2, "float64"), (H, "bfloat16"))
+    ]
+    results = [check_case(case, data, rank, world_size) for case in cases]
+    record = {"cases": results, "training": training(args, rank, world_size, device)}
+    torch_cp = torch_context_parallel(data, device)  # on every rank
+    everyone = every_rank(record)
+    out, failure = None, ""
+    if rank == 0:
+        setting = {
+            **ra.where_it_ran(device),
+            "world_size": world_size,
+            "shape": [args.batch, args.heads, args.seq_len, args.head_dim],
+            "cases": cases,
+            "unsplit_saved_bytes": unsplit_saved_bytes(data),
+            "torch_context_parallel": torch_cp,
+        }
+        out, failure = judge(setting, everyone, tolerance("float64", args.tolerance))
+    return out, failure
 
 
 @record
 def main() -> None:
     args = parse_args()
-    rank, _, world_size, device = ra.setup_distributed(args.timeout)
-    if args.seq_len % (2 * world_size):
-        ra.fail(f"--seq-len {args.seq_len} must be a multiple of 2 x {world_size}")
-    data = whole_sequence(args, device)
-    cases = [
-        check_case(data, causal, split, method, rank, world_size)
-        for causal, split, method in itertools.product(
-            (False, True), ("plain", "zigzag"), ("ring", "allgather")
-        )
-    ]
-    record = {"cases": cases, "training": training(args, rank, world_size, device)}
-    torch_cp = torch_context_parallel(data, device)  # on every rank
-    everyone = every_rank(record)
-    results, failure = None, ""
-    if rank == 0:
-        run = {
-            **ra.where_it_ran(device),
-            "world_size": world_size,
-            "shape": [args.batch, args.heads, args.seq_len, args.head_dim],
-            "dtype_bytes": DTYPE.itemsize,
-            "cases": [{k: c[k] for k in ("causal", "split", "method")} for c in cases],
-            "unsplit_saved_bytes": unsplit_saved_bytes(data),
-            "torch_context_parallel": torch_cp,
-        }
-        results, failure = judge(run, everyone, tolerance("float64", args.tolerance))
-    finish(results, failure, args.results)
+    _, _, _, device = ra.setup_distributed(args.timeout)
+    finish(*run(args, device), args.results)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
     python expert_parallel.py                                        # one process
     torchrun --standalone --nproc-per-node=2 expert_parallel.py      # two, here
     torchrun --standalone --nproc-per-node=4 expert_parallel.py --experts 8
+    torchrun --standalone --nproc-per-node=4 expert_parallel.py --experts 8 \\
+        --capacity-factor 0 --normalize-gates --shared-experts 1
     srun --ntasks=8 python expert_parallel.py --experts 16
 
 Every block's MLP becomes a mixture of experts: a router scores n_experts
@@ -11,9 +13,13 @@ summed, weighted by the router's probabilities. Each of the N processes holds
 n_experts / N experts and trains on its own batch (data parallel for the
 rest of the model). Tokens travel to the process that holds their expert and
 back by two all-to-alls per layer (dispatch and combine), and two more in the
-backward pass. An expert takes at most ceil(capacity_factor x top_k x tokens
-/ n_experts) tokens from each process; the others are dropped (the residual
-connection carries them on). A load-balancing loss pushes the router towards
+backward pass. With a capacity factor, an expert takes at most
+ceil(capacity_factor x top_k x tokens / n_experts) tokens from each process
+(fixed buffers); the others are dropped (the residual connection carries them
+on). With --capacity-factor 0 the layer is dropless: every choice travels, in
+all-to-all slices as long as the routing makes them. --normalize-gates rescales
+each token's top-k probabilities to sum to 1; --shared-experts adds experts
+that every token goes through. A load-balancing loss pushes the router towards
 equal loads. The script trains the model on the Zen of Python and prints the
 loss and the busiest expert's load.
 
@@ -103,7 +109,9 @@ class GPTConfig:
     n_embd: int = 64
     n_experts: int = 4  # 0: a plain MLP in every block
     top_k: int = 2  # experts per token
-    capacity_factor: float = 1.25  # slots per expert, relative to an even share
+    capacity_factor: float = 1.25  # slots per even share of an expert; 0: dropless
+    normalize_gates: bool = False  # the top-k probabilities rescaled to sum to 1
+    n_shared: int = 0  # shared experts, which every token goes through
 
 
 class CausalSelfAttention(nn.Module):
@@ -126,20 +134,22 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, hidden: int = 0) -> None:
         super().__init__()
-        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
-        self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
+        hidden = hidden or 4 * config.n_embd
+        self.fc = nn.Linear(config.n_embd, hidden, bias=False)
+        self.proj = nn.Linear(hidden, config.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x)))
 
 
-def send_slices(x: torch.Tensor) -> torch.Tensor:
-    """All-to-all: the i-th of N equal slices of dim 0 goes to rank i, and
-    slice i of the result comes from rank i."""
-    out = torch.empty_like(x)
-    dist.all_to_all_single(out, x.contiguous())
+def send_slices(x: torch.Tensor, send: list | None = None, recv: list | None = None):
+    """All-to-all along dim 0: slice i goes to rank i, and slice i of the result
+    comes from rank i. Slices are equal, or ``send`` and ``recv`` rows long."""
+    x = x.contiguous()  # and so the output: empty_like keeps a view's strides
+    out = x.new_empty(sum(recv), *x.shape[1:]) if recv else torch.empty_like(x)
+    dist.all_to_all_single(out, x, recv, send)
     return out
 
 
@@ -147,12 +157,14 @@ class AllToAll(torch.autograd.Function):
     """``send_slices`` forward; backward, the gradients go back the same way."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return send_slices(x)
+    def forward(ctx, x: torch.Tensor, send=None, recv=None) -> torch.Tensor:
+        ctx.sizes = send, recv
+        return send_slices(x, send, recv)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return send_slices(grad)
+    def backward(ctx, grad: torch.Tensor):
+        send, recv = ctx.sizes
+        return send_slices(grad, recv, send), None, None
 
 
 def expert_weights(expert: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,46 +189,84 @@ class MoE(nn.Module):
         w = [expert_weights(e, config.n_embd) for e in mine]
         self.fc = nn.Parameter(torch.stack([fc for fc, _ in w]))  # (local, d, 4d)
         self.proj = nn.Parameter(torch.stack([proj for _, proj in w]))  # (local, 4d, d)
+        hidden = 4 * config.n_embd * config.n_shared  # replicated, like attention
+        self.shared = MLP(config, hidden) if config.n_shared else None
 
     def capacity(self, tokens: int) -> int:
         """Slots per expert for a group of ``tokens`` (rounded before ceil:
-        1.25 x 2 x 512 / 8 is 160.00000000000003 in floating point)."""
+        1.25 x 2 x 512 / 8 is 160.00000000000003 in floating point); dropless,
+        as many as tokens: an expert can take every token."""
         c = self.config
+        if c.capacity_factor == 0:
+            return tokens
         return math.ceil(round(c.capacity_factor * c.top_k * tokens / c.n_experts, 9))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        E, k, N = self.config.n_experts, self.config.top_k, self.world_size
+        E, k = self.config.n_experts, self.config.top_k
         tokens = x.reshape(-1, x.shape[-1])  # this process's tokens: one group
-        S, d, C = tokens.shape[0], tokens.shape[1], self.capacity(tokens.shape[0])
         probs = self.router(tokens).softmax(dim=-1)  # (S, E)
         gate, expert = probs.topk(k, dim=-1)  # (S, k)
-        # Each (choice, token) takes the next free slot of its expert, first
-        # choices before second ones (GShard); beyond the capacity it is dropped.
+        if self.config.normalize_gates:  # GShard's top-2, Mixtral, DeepSeek-V3
+            gate = gate / gate.sum(dim=-1, keepdim=True)
         expert = expert.t().reshape(-1)  # (k S,), choice-major
         chosen = F.one_hot(expert, E)
-        slot = ((chosen.cumsum(dim=0) - 1) * chosen).sum(dim=-1)
-        keep = slot < C
-        where = expert * C + slot.clamp(max=C - 1)  # row in the (E C, d) buffer
         source = tokens.repeat(k, 1)
-        buffer = tokens.new_zeros(E * C, d).index_add(0, where[keep], source[keep])
-        if N > 1:  # dispatch: rows of rank i's experts go to rank i
-            buffer = AllToAll.apply(buffer)
-        h = (
-            buffer.view(N, self.local, C, d)
-            .transpose(0, 1)
-            .reshape(self.local, N * C, d)
-        )
-        h = F.gelu(h @ self.fc) @ self.proj  # every local expert on all its rows
-        out = h.view(self.local, N, C, d).transpose(0, 1).reshape(E * C, d)
-        if N > 1:  # combine: the results go back to the tokens' ranks
-            out = AllToAll.apply(out)
+        if self.config.capacity_factor == 0:
+            rows, keep = self.dropless(source, expert), torch.ones_like(expert)
+        else:
+            rows, keep = self.padded(source, expert, chosen)
         weight = gate.t().reshape(-1) * keep  # a dropped choice adds nothing
-        y = (out.index_select(0, where) * weight[:, None]).view(k, S, d).sum(dim=0)
-        # Switch Transformer's load-balancing loss: n_experts x sum over experts
-        # of (share of choices) x (mean probability); 1 when both are even.
+        y = (rows * weight[:, None]).view(k, -1, tokens.shape[1]).sum(dim=0)
+        if self.shared is not None:
+            y = y + self.shared(tokens)
+        # The load-balancing loss (Switch Transformer, Megatron-Core): n_experts x
+        # sum over experts of (share of choices) x (mean probability); 1 when even.
         self.aux_loss = E * (chosen.float().mean(dim=0) * probs.mean(dim=0)).sum()
         self.load = chosen.sum(dim=0).detach()  # choices per expert, before capacity
         return y.view(x.shape)
+
+    def experts(self, h: torch.Tensor) -> torch.Tensor:
+        """Every local expert on its rows: h is (local, rows, d)."""
+        return F.gelu(h @ self.fc) @ self.proj
+
+    def padded(self, source, expert, chosen) -> tuple[torch.Tensor, torch.Tensor]:
+        """GShard's fixed buffers: each (choice, token) takes the next free slot of
+        its expert, first choices before second ones; beyond the capacity C it is
+        dropped. Each row's result, and which rows were kept."""
+        E, N, d = self.config.n_experts, self.world_size, source.shape[1]
+        C = self.capacity(len(source) // self.config.top_k)
+        slot = ((chosen.cumsum(dim=0) - 1) * chosen).sum(dim=-1)
+        keep = slot < C
+        where = expert * C + slot.clamp(max=C - 1)  # row in the (E C, d) buffer
+        buffer = source.new_zeros(E * C, d).index_add(0, where[keep], source[keep])
+        if N > 1:  # dispatch: rows of rank i's experts go to rank i
+            buffer = AllToAll.apply(buffer)
+        h = buffer.view(N, self.local, C, d).transpose(0, 1).reshape(self.local, -1, d)
+        out = self.experts(h).view(self.local, N, C, d).transpose(0, 1).reshape(-1, d)
+        if N > 1:  # combine: the results go back to the tokens' ranks
+            out = AllToAll.apply(out)
+        return out.index_select(0, where), keep
+
+    def dropless(self, source: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        """Every choice kept: the rows travel sorted by expert, in slices as long
+        as the routing makes them. The counts travel first, and the host must
+        know them to size the buffers: a device sync in every layer."""
+        N, local = self.world_size, self.local
+        order = torch.argsort(expert, stable=True)  # the rows, grouped by expert
+        counts = torch.bincount(expert, minlength=self.config.n_experts)
+        theirs = send_slices(counts) if N > 1 else counts  # rank i's, for my experts
+        sent, got = counts.view(N, local), theirs.view(N, local)
+        sizes = sent.sum(dim=1).tolist(), got.sum(dim=1).tolist()  # host sync
+        rows = AllToAll.apply(source[order], *sizes) if N > 1 else source[order]
+        owner = torch.arange(local, device=rows.device).repeat(N)
+        by_expert = torch.argsort(owner.repeat_interleave(got.flatten()), stable=True)
+        parts = rows[by_expert].split(got.sum(dim=0).tolist())
+        h = torch.cat(  # one product per expert, as a grouped GEMM does in one call
+            [F.gelu(p @ self.fc[e]) @ self.proj[e] for e, p in enumerate(parts)]
+        )
+        h = h[torch.argsort(by_expert)]  # back in the order they came
+        out = AllToAll.apply(h, sizes[1], sizes[0]) if N > 1 else h
+        return out[torch.argsort(order)]  # each choice's row, in choice order
 
 
 class Block(nn.Module):
@@ -328,7 +378,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add = parser.add_argument
     add("--experts", type=int, default=4, help="experts per layer (a multiple of N)")
     add("--top-k", type=int, default=2, help="experts per token")
-    add("--capacity-factor", type=float, default=1.25, help="slots per even share")
+    add("--capacity-factor", type=float, default=1.25, help="0: dropless")
+    add("--normalize-gates", action="store_true", help="top-k gates summing to 1")
+    add("--shared-experts", type=int, default=0, help="experts every token uses")
     add("--aux-weight", type=float, default=0.01, help="of the load-balancing loss")
     add("--layers", type=int, default=2, help="transformer blocks")
     add("--width", type=int, default=64, help="model width d")
@@ -354,6 +406,8 @@ def build(args: argparse.Namespace, rank: int, world_size: int) -> GPT:
         n_experts=args.experts,
         top_k=args.top_k,
         capacity_factor=args.capacity_factor,
+        normalize_gates=args.normalize_gates,
+        n_shared=args.shared_experts,
     )
     torch.manual_seed(args.seed)  # the replicated weights: the same on every rank
     return GPT(config, rank, world_size)
@@ -370,10 +424,11 @@ def main() -> None:
     model = build(args, rank, world_size).to(device)
     log = train(model, args, rank, world_size, device)
     if rank == 0:
+        factor = args.capacity_factor
         print(
             f"{world_size} process(es) on {device.type}: {args.experts} experts per "
             f"layer, {args.experts // world_size} on each, top-{args.top_k}, "
-            f"capacity factor {args.capacity_factor}"
+            + (f"capacity factor {factor}" if factor else "dropless")
         )
         routed = args.batch_size * args.seq_len * world_size * args.top_k
         for step in sorted({0, args.steps // 2, args.steps - 1}):

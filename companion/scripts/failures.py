@@ -4,20 +4,25 @@
     torchrun --standalone --nproc-per-node=2 failures.py --fail stuck --stall-dump 30
     TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun --standalone --nproc-per-node=2 \\
         failures.py --fail shape --shard
-    srun --ntasks=2 python failures.py --fail uneven --fix join
+    srun --ntasks=2 python failures.py --fail nan --watch
 
 ``--fail`` picks the bug (chapter 15): ``shape``, ``order``, ``rank0-only``
 (collectives that differ between ranks); ``uneven`` (one rank has fewer
 batches; ``--fix sampler``, ``join`` or ``steps`` cures it); ``crash``,
-``kill``, ``stuck`` (the last rank raises, dies or hangs at ``--fail-step``);
-``unseen-param``, ``sampler-seed``, ``no-set-epoch`` (silent drift, which
-``--check-every`` catches). The tools: ``--timeout`` bounds every collective,
-``--barrier-timeout`` names the ranks that miss an epoch's end, ``--stall-dump``
-prints every rank's stack when a step stalls (``kill -USR1 PID``: one rank's,
-at any time), ``--flight-recorder DIR`` (with ``TORCH_FR_BUFFER_SIZE=2000``)
-dumps each rank's last collectives on an error. ``--checkpoint-dir`` keeps
-sharded (DCP) checkpoints; a run resumes from the newest on any number of
-processes, with the same global batch.
+``kill``, ``stuck``, ``oom`` (the last rank raises, dies, hangs or runs out of
+memory at ``--fail-step``); ``unseen-param`` (silent drift), ``sampler-seed``,
+``no-set-epoch`` (silent data bugs), which ``--check-every`` catches; ``nan``
+(a corrupt sample at ``--fail-step``) and ``slow`` (the last rank slower at
+every step), which ``--watch`` catches (and losses that spike). The tools: ``--timeout``
+bounds every collective, ``--barrier-timeout`` names the ranks that miss an
+epoch's end, ``--stall-dump`` prints every rank's stack when a step stalls
+(``kill -USR1 PID``: one rank's, at any time), ``--debug-socket DIR`` answers
+requests for stacks and Flight Recorder entries on a Unix socket per rank,
+``--flight-recorder DIR`` dumps each rank's last collectives on an error (the
+Flight Recorder keeps the last 2,000 by default; ``TORCH_FR_BUFFER_SIZE``
+changes that, 0 turns it off). ``--checkpoint-dir`` keeps sharded (DCP)
+checkpoints; a run resumes from the newest on any number of processes, with
+the same global batches.
 
 Exit codes: 0 done; 1 crashed (where each bug ends, when it does not hang);
 2 a bad launch or input, said in one sentence.
@@ -28,6 +33,7 @@ import datetime
 import faulthandler
 import gc
 import json
+import math
 import os
 import signal
 import sys
@@ -97,8 +103,10 @@ def where_it_ran(device: torch.device) -> dict:
 # ---- end of set-up
 
 FAILURES = ("shape", "order", "rank0-only", "uneven", "crash", "kill", "stuck")
-FAILURES += ("unseen-param", "sampler-seed", "no-set-epoch")
+FAILURES += ("oom", "unseen-param", "sampler-seed", "no-set-epoch")
+FAILURES += ("nan", "slow")
 VALIDATION = 101  # samples; each rank scores its own slice (50 and 51 on 2 ranks)
+SPIKE = 10  # --watch stops at a loss above 10 x the median of the recent steps
 START = time.monotonic()
 
 
@@ -111,21 +119,24 @@ def make_data(samples: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return centres[labels] + noise, labels
 
 
-def epoch_batches(
-    samples: int, micro: int, epoch: int, args: argparse.Namespace
-) -> list[list[int]]:
-    """This rank's micro-batches of one epoch, as lists of sample indices."""
+def epoch_order(samples: int, epoch: int, args: argparse.Namespace) -> list[int]:
+    """This rank's shard of one epoch: its sample indices, in order."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if args.fail == "uneven" and args.fix != "sampler":
         # BUG: a split by hand; 255 samples give rank 0 127 and rank 1 128.
-        order = range(rank * samples // world_size, (rank + 1) * samples // world_size)
-    else:  # the sampler pads the shards to equal length
-        seed = args.seed + (rank if args.fail == "sampler-seed" else 0)  # BUG: + rank
-        sampler = DistributedSampler(range(samples), world_size, rank, seed=seed)
-        if args.fail != "no-set-epoch":  # BUG: forgotten, every epoch is epoch 0
-            sampler.set_epoch(epoch)
-        order = list(sampler)
-    return [list(order[i : i + micro]) for i in range(0, len(order) - micro + 1, micro)]
+        shuffled = torch.Generator().manual_seed(args.seed + epoch)
+        order = torch.randperm(samples, generator=shuffled).tolist()
+        return order[rank * samples // world_size : (rank + 1) * samples // world_size]
+    seed = args.seed + (rank if args.fail == "sampler-seed" else 0)  # BUG: + rank
+    sampler = DistributedSampler(range(samples), world_size, rank, seed=seed)
+    if args.fail != "no-set-epoch":  # BUG: forgotten, every epoch is epoch 0
+        sampler.set_epoch(epoch)
+    return list(sampler)  # padded: every rank gets as many samples
+
+
+def batches_of(order: list[int], micro: int) -> list[list[int]]:
+    """A shard's full micro-batches (a short last one is left out)."""
+    return [order[i : i + micro] for i in range(0, len(order) - micro + 1, micro)]
 
 
 def build_model(seed: int, device: torch.device) -> nn.Sequential:
@@ -156,28 +167,36 @@ def parallelize(model: nn.Sequential, args: argparse.Namespace) -> nn.Module:
 def check_replicas(model: nn.Module, step: int) -> None:
     """Raise on every rank if the ranks' parameters differ: a cheap checksum.
 
-    One float64 norm per parameter tensor, gathered from every rank; replicas
-    that took the same steps are equal bit for bit. (A plain sum would miss
-    drift whose entries add up to zero, as a softmax's gradients do.)
+    A float64 norm and sum per parameter tensor, gathered from every rank;
+    replicas that took the same steps are equal bit for bit. The error shows
+    both: drift whose entries add up to zero, as a softmax's gradients do,
+    leaves the sums equal.
     """
     names, params = zip(*model.named_parameters())
-    norms = torch.stack([p.detach().double().norm() for p in params])
-    every = [torch.empty_like(norms) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, norms)
+    mine = torch.stack(
+        [
+            torch.stack([p.detach().double().norm(), p.detach().double().sum()])
+            for p in params
+        ]
+    )
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
     for i, name in enumerate(names):
-        values = [float(n[i]) for n in every]
-        if max(values) != min(values):
+        norms, sums = ([float(e[i, j]) for e in every] for j in (0, 1))
+        if max(norms) != min(norms) or max(sums) != min(sums):
             raise RuntimeError(
                 f"the replicas differ after step {step}: {name} has norm "
-                + ", ".join(f"{v:.6f} on rank {r}" for r, v in enumerate(values))
-                + f" (apart by {max(values) - min(values):.1e})"
+                + ", ".join(f"{v:.6f} on rank {r}" for r, v in enumerate(norms))
+                + f" (apart by {max(norms) - min(norms):.1e}; its sums by "
+                + f"{max(sums) - min(sums):.1e})"
             )
 
 
-def check_data(batches: list, previous: list | None, samples: int, device) -> None:
-    """Raise on every rank if an epoch's shards leave samples out, or if the
-    epoch repeats the previous one's order. Call it on every rank."""
-    mine = torch.tensor([i for indices in batches for i in indices], dtype=torch.long)
+def check_data(order: list[int], previous: list | None, samples: int, device) -> None:
+    """Raise on every rank if the epoch's shards leave samples out, or if the
+    epoch repeats the previous one's order. Call it on every rank, with its
+    shard (the samples a short last micro-batch leaves out are not a bug)."""
+    mine = torch.tensor(order, dtype=torch.long)
     seen = torch.bincount(mine, minlength=samples).to(device)
     dist.all_reduce(seen)  # how often each sample occurs, over all ranks
     never, twice = int((seen == 0).sum()), int((seen > 1).sum())
@@ -186,21 +205,64 @@ def check_data(batches: list, previous: list | None, samples: int, device) -> No
             f"the ranks' shards overlap: {twice} samples twice, {never} never; "
             "do all ranks' samplers use the same seed?"
         )
-    if batches == previous:
+    if order == previous:
         raise RuntimeError("this epoch repeats the last one's order: set_epoch?")
 
 
 def load_batch(x, y, indices: list[int], step: int, args, device) -> tuple:
-    """The batch on ``device``; where ``--fail`` crash, kill and stuck strike."""
-    if step == args.fail_step and dist.get_rank() == dist.get_world_size() - 1:
-        if args.fail == "crash":  # on every attempt: restarts do not help
+    """The batch on ``device``; where the last rank's ``--fail`` strikes."""
+    xb = x[indices]
+    if dist.get_rank() == dist.get_world_size() - 1:
+        if args.fail == "slow":  # at every step: a slow disk, a throttled device
+            time.sleep(0.05)
+        if step == args.fail_step and args.fail == "crash":  # restarts do not help
             raise ValueError(f"sample {indices[0]} is corrupt")
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        if args.fail == "kill" and first_attempt:  # the node is gone
-            os.kill(os.getpid(), signal.SIGKILL)
-        while args.fail == "stuck":  # waits for a file that never comes
+        if step == args.fail_step and args.fail == "kill" and first_attempt:
+            os.kill(os.getpid(), signal.SIGKILL)  # the node is gone
+        if step == args.fail_step and args.fail == "nan":  # a corrupt sample
+            xb = xb.clone()
+            xb[0] = float("nan")
+        if step == args.fail_step and args.fail == "oom":  # far more than it has:
+            torch.empty(
+                2**60, dtype=torch.uint8, device=device
+            )  # the allocator refuses
+        while step == args.fail_step and args.fail == "stuck":  # a file never comes
             time.sleep(0.1)
-    return x[indices].to(device), y[indices].to(device)
+    return xb.to(device), y[indices].to(device)
+
+
+def watch(loss: torch.Tensor, start: float, step: int, history: list, model) -> list:
+    """Before backward: every rank's loss and seconds since its step began,
+    gathered; raise on every rank if a loss is not finite or above SPIKE times
+    the median of the recent steps' losses, before the gradients' all-reduce
+    spreads it. Returns each rank's seconds (a straggler takes the most)."""
+    value = loss.item()  # a device sync: the clock below sees the work done
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    finite = all(bool(torch.isfinite(p).all()) for p in local)
+    mine = torch.tensor(
+        [value, time.perf_counter() - start, finite],
+        dtype=torch.float64,
+        device=loss.device,
+    )
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    losses = [float(e[0]) for e in every]
+    recent = sorted(history[-8:])
+    typical = recent[len(recent) // 2] if recent else math.inf
+    bad = [
+        r for r, v in enumerate(losses) if not math.isfinite(v) or v > SPIKE * typical
+    ]
+    if bad:
+        weights = "finite" if all(e[2] for e in every) else "not all finite"
+        raise RuntimeError(
+            f"step {step}: the loss is "
+            + ", ".join(f"{losses[r]:.4g} on rank {r}" for r in bad)
+            + f", against a recent median of {typical:.4g}; stopped before the "
+            + f"gradients' all-reduce, every rank's weights still {weights}"
+        )
+    history.append(sum(losses) / len(losses))
+    return [float(e[1]) for e in every]
 
 
 def validate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, args) -> float:
@@ -281,11 +343,31 @@ def dump_flight_recorder(folder: str, device: torch.device) -> None:
     Path(folder, f"rank_{dist.get_rank()}").write_bytes(dump())
 
 
+def start_worker_server(folder: str):
+    """Answer requests for this rank's stacks (``dump_traceback``) and Flight
+    Recorder (``fr_trace_json``) on the Unix socket ``folder/rank<r>.sock``:
+    torch's worker server, on which ``torch.distributed.debug`` builds (private;
+    None in a torch without it)."""
+    c10d = torch._C._distributed_c10d
+    if not hasattr(c10d, "_WorkerServer"):
+        return None
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    return c10d._WorkerServer(str(Path(folder, f"rank{dist.get_rank()}.sock")))
+
+
 def global_losses(local: torch.Tensor, history: list, start: int, step: int) -> list:
     """Every step's loss of the global batch so far: earlier runs', then this run's."""
     total = local.clone()
     dist.all_reduce(total)
     return history + (total / dist.get_world_size())[start:step].tolist()
+
+
+def global_batches(seen: torch.Tensor, start: int, step: int) -> list[list[int]]:
+    """The samples of each step's global batch in this run, every rank's together."""
+    every = [torch.empty_like(seen) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, seen)
+    rows = torch.cat(every, dim=1)[start:step].tolist()
+    return [sorted(i for i in row if i >= 0) for row in rows]
 
 
 def train(args: argparse.Namespace, device: torch.device) -> dict:
@@ -301,7 +383,7 @@ def train(args: argparse.Namespace, device: torch.device) -> dict:
     wrapped = parallelize(model, args)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     start, history = load_checkpoint(args.checkpoint_dir, model, optimizer)
-    mine = len(epoch_batches(samples, micro, 0, args))  # this rank's steps per epoch
+    mine = len(batches_of(epoch_order(samples, 0, args), micro))  # steps per epoch
     lengths = torch.tensor([mine, -mine], device=device)
     dist.all_reduce(lengths, dist.ReduceOp.MAX)  # the longest and the shortest
     if rank == 0:
@@ -316,30 +398,42 @@ def train(args: argparse.Namespace, device: torch.device) -> dict:
         )
     gloo = device.type == "cuda" and args.barrier_timeout  # monitored_barrier: gloo
     group = dist.new_group(backend="gloo") if gloo else None
-    local = torch.zeros(
-        args.epochs * int(lengths[0]), dtype=torch.float64, device=device
-    )
+    steps = args.epochs * int(lengths[0])
+    local = torch.zeros(steps, dtype=torch.float64, device=device)
+    seen = torch.full((steps, micro), -1, device=device)  # each step's samples
     step, previous, skip = start, None, start % mine
+    watched, busy = [], []  # --watch: recent global losses; seconds per step
     for epoch in range(start // mine, args.epochs):
-        batches = epoch_batches(samples, micro, epoch, args)
+        order = epoch_order(samples, epoch, args)
+        batches = batches_of(order, micro)
         if args.fix == "steps":  # every rank stops after the shortest shard's steps
             batches = batches[: -int(lengths[1])]
         if args.check_every:
-            check_data(batches, previous, samples, device)
-            previous = batches
+            check_data(order, previous, samples, device)
+            previous = order
         loss_sum, done = 0.0, 0
         with wrapped.join() if args.fix == "join" else nullcontext():
             for indices in batches[skip:]:
+                began = time.perf_counter()
                 if args.stall_dump:  # every thread's stack, if this step stalls
                     faulthandler.dump_traceback_later(args.stall_dump)
                 xb, yb = load_batch(x, y, indices, step, args, device)
                 loss = F.cross_entropy(wrapped(xb), yb)
+                if args.watch:  # before the gradients' all-reduce (DDP's backward)
+                    busy.append(watch(loss, began, step, watched, model))
                 optimizer.zero_grad()
                 loss.backward()  # DDP all-reduces the gradients here
                 optimizer.step()
-                local[step] = loss.detach()
+                local[step], seen[step] = loss.detach(), torch.tensor(indices)
                 loss_sum, done, step = loss_sum + loss.item(), done + 1, step + 1
-                if args.check_every and step % args.check_every == 0 and not args.shard:
+                # in join(), per-rank steps differ, and a rank that has left would
+                # not come: check by the epoch's steps, before the shortest shard ends
+                joined = args.fix == "join"
+                due = (
+                    args.check_every
+                    and (done if joined else step) % args.check_every == 0
+                )
+                if due and not args.shard and (not joined or done < -int(lengths[1])):
                     check_replicas(model, step)
                 if args.checkpoint_every and step % args.checkpoint_every == 0:
                     losses = global_losses(local, history, start, step)
@@ -357,15 +451,26 @@ def train(args: argparse.Namespace, device: torch.device) -> dict:
         if stop:
             break
     faulthandler.cancel_dump_traceback_later()
-    steps = torch.zeros(world_size, device=device)
-    steps[rank] = step - start
-    dist.all_reduce(steps)
+    by_rank = torch.zeros(world_size, device=device)
+    by_rank[rank] = step - start
+    dist.all_reduce(by_rank)
+    seconds = [sum(s) / len(s) for s in zip(*busy)]  # per rank, mean of the steps
+    if rank == 0 and busy:
+        slowest = max(range(world_size), key=seconds.__getitem__)
+        print(
+            "time per step before the gradients' all-reduce, by rank: "
+            + ", ".join(f"{1e3 * s:.1f} ms" for s in seconds)
+            + f"; slowest: rank {slowest}",
+            flush=True,
+        )
     return {
         **where_it_ran(device),
         "start_step": start,
-        "steps_by_rank": steps.int().tolist(),
+        "steps_by_rank": by_rank.int().tolist(),
         "validation_accuracy": accuracy,
         "losses": global_losses(local, history, start, step),
+        "samples": global_batches(seen, start, step),
+        "seconds_before_all_reduce": seconds,
     }
 
 
@@ -376,7 +481,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.error = fail  # a bad flag too: one sentence, without the usage lines
     add = parser.add_argument
     add("--fail", choices=FAILURES, help="the bug to cause (default: none)")
-    add("--fail-step", type=int, default=10, help="where crash, kill, stuck strike")
+    add("--fail-step", type=int, default=10, help="where a one-off failure strikes")
     add("--fix", choices=("sampler", "join", "steps"), help="the cure for uneven data")
     add("--epochs", type=int, default=3, help="passes over the data (default: 3)")
     add("--samples", type=int, default=256, help="training samples (default: 256)")
@@ -388,16 +493,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--barrier-timeout", type=float, default=0, help="seconds; 0: no barrier")
     add("--stall-dump", type=float, default=0, help="seconds a step may take; 0: off")
     add("--check-every", type=int, default=0, help="steps between checks; 0: none")
+    add("--watch", action="store_true", help="compare losses and times every step")
     add("--time-limit", type=float, default=0, help="seconds; 0: none (rank 0 decides)")
     add("--checkpoint-dir", default="", help="a folder for DCP checkpoints")
     add("--checkpoint-every", type=int, default=0, help="steps; 0: never")
     add("--flight-recorder", default="", help="a folder for each rank's dump on error")
+    add("--debug-socket", default="", help="a folder for each rank's worker socket")
     add("--results", default="", help="a JSON file for rank 0's results")
     args = parser.parse_args(argv)
     if args.checkpoint_every and not args.checkpoint_dir:
         parser.error("--checkpoint-every needs --checkpoint-dir")
-    if args.shard and args.fix == "join":
-        parser.error("--fix join works with DDP, not with --shard")
+    if args.fix == "join" and (args.shard or args.checkpoint_every):
+        parser.error(
+            "--fix join works with DDP and without --checkpoint-every (a rank that "
+            "has left join() would never join the save)"
+        )
     return args
 
 
@@ -407,12 +517,16 @@ def main(argv: list[str] | None = None) -> None:
     if hasattr(signal, "SIGUSR1"):  # kill -USR1 PID: print every thread's stack
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     rank, _, _, device = setup_distributed(args.timeout)
+    server = start_worker_server(args.debug_socket) if args.debug_socket else None
     try:
         results = train(args, device)
     except Exception:
         if args.flight_recorder:
             dump_flight_recorder(args.flight_recorder, device)
         raise
+    finally:
+        if server is not None:
+            server.shutdown()
     if rank == 0 and args.results:
         Path(args.results).write_text(json.dumps(results, indent=1))
     gc.collect()  # DDP's reducer, in a reference cycle, must go before its group

@@ -1,21 +1,33 @@
-"""Ring attention: one long sequence split across processes (context parallelism).
+"""Context parallelism: one long sequence split across processes.
 
     python ring_attention.py                                          # one process
     torchrun --standalone --nproc-per-node=2 ring_attention.py        # two, here
     torchrun --standalone --nproc-per-node=4 ring_attention.py --split zigzag
+    torchrun --standalone --nproc-per-node=4 ring_attention.py --method ulysses
     srun --ntasks=8 python ring_attention.py --seq-len 4096 --split zigzag
 
 Each of the N processes holds seq_len / N positions of every sequence, and
-their queries, keys and values. Attention needs every key and value, so they
-travel around a ring of processes: at each of N steps a process computes its
-queries against the block of keys and values it holds, and passes that block
-on, while the partial softmaxes are combined with a running maximum and sum
-(online softmax). The backward pass sends the blocks round again, followed by
-their gradients. With a causal mask, the "plain" split (process r holds the
-r-th N-th of the sequence) gives the last process the most work; the
-"zigzag" split (chunks r and 2N - 1 - r of 2N) balances it. The script trains
-a one-layer model to copy the first half of each sequence into its second
-half, which it can only learn if keys and values cross the processes.
+their queries, keys and values. Attention needs every key and value; three
+methods bring them (--method):
+
+- "ring" (ring attention): blocks of keys and values travel around a ring of
+  processes; at each of N steps a process computes its queries against the
+  block it holds and passes that block on, while the partial softmaxes are
+  combined with a running maximum and sum (online softmax). The backward pass
+  sends the blocks round again, followed by their gradients.
+- "allgather" (Llama 3's variant): every process gathers all keys and
+  values, then attends once; the backward pass reduce-scatters their gradients.
+- "ulysses" (DeepSpeed-Ulysses): an all-to-all trades the split of positions
+  for a split of heads; each process attends with all positions of heads / N
+  heads, and a second all-to-all trades back. Needs heads (and key-value
+  heads) divisible by N.
+
+Keys and values may have fewer heads than queries (--kv-heads: grouped-query
+attention); only those travel. With a causal mask, the "plain" split (process
+r holds the r-th N-th of the sequence) gives the last process the most work;
+the "zigzag" split (chunks r and 2N - 1 - r of 2N) balances it. The script
+trains a one-layer model to copy the first half of each sequence into its
+second half, which it can only learn if keys and values cross the processes.
 
 Exit codes: 0 done; 1 crashed; 2 a bad launch or input, said in one sentence.
 """
@@ -150,26 +162,43 @@ def block_pairs(
     ]
 
 
+def accumulator(dtype: torch.dtype) -> torch.dtype:
+    """float32 at least: flash kernels keep their running sums, outputs and
+    gradients in float32 whatever the inputs' precision."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """Grouped-query attention: each key-value head serves ``groups`` query heads."""
+    return x.repeat_interleave(groups, dim=1) if groups > 1 else x
+
+
+def fold_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of ``repeat_kv``: the sum over each group of query heads."""
+    return x.unflatten(1, (-1, groups)).sum(2) if groups > 1 else x
+
+
 def ring_forward(q, k, v, causal: bool, split: str):
     """Attention output and log-sum-exp of this rank's queries against all keys.
 
-    q, k, v: this rank's (batch, heads, positions, head_dim). Each query chunk
-    keeps a running maximum ``m``, sum ``l`` and unnormalised output ``o``;
-    a new block rescales them by exp(m_old - m_new) (FlashAttention's trick).
+    q: this rank's (batch, heads, positions, head_dim); k, v: the same with
+    kv_heads heads, a divisor of heads (grouped-query attention: only these
+    travel). Each query chunk keeps a running maximum ``m``, sum ``l`` and
+    unnormalised output ``o``, in float32 at least; a new block rescales them
+    by exp(m_old - m_new) (FlashAttention's trick).
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    acc, groups = accumulator(q.dtype), q.shape[1] // k.shape[1]
     n = len(chunks_of(rank, world_size, split))
-    qs = q.chunk(n, dim=2)
-    m = [
-        torch.full(c.shape[:-1], -math.inf, dtype=q.dtype, device=q.device) for c in qs
-    ]
+    qs = q.to(acc).chunk(n, dim=2)
+    m = [torch.full(c.shape[:-1], -math.inf, dtype=acc, device=q.device) for c in qs]
     l = [torch.zeros_like(mi) for mi in m]
     o = [torch.zeros_like(c) for c in qs]
-    kv = torch.stack([k, v])  # one message per step
+    kv = torch.stack([k, v])  # one message per step, in the inputs' dtype
     for step in range(world_size):
         if step < world_size - 1:  # send this block on while computing with it
             incoming, requests = ring_pass(kv)
-        ks, vs = kv[0].chunk(n, dim=2), kv[1].chunk(n, dim=2)
+        ks, vs = (repeat_kv(t.to(acc), groups).chunk(n, dim=2) for t in kv)
         for i, j, qc, kc in block_pairs(rank, step, world_size, split, causal):
             s = scores(qs[i], ks[j], qc, kc, causal)
             m_new = torch.maximum(m[i], s.amax(dim=-1))
@@ -183,41 +212,49 @@ def ring_forward(q, k, v, causal: bool, split: str):
             kv = incoming
     out = torch.cat([oi / li[..., None] for oi, li in zip(o, l)], dim=2)
     lse = torch.cat([mi + li.log() for mi, li in zip(m, l)], dim=2)
-    return out, lse
+    return out.to(q.dtype), lse  # the log-sum-exp stays in float32 at least
 
 
 def ring_backward(dout, q, k, v, out, lse, causal: bool, split: str):
-    """Gradients of q, k and v: the blocks go round again, and each block's
-    key and value gradients travel with it, arriving home after N passes."""
+    """Gradients of q, k and v. The blocks go round again; each rank keeps its
+    own block's share of the key and value gradients, and a block's sum of the
+    other ranks' shares (float32 at least) follows it from the next rank on,
+    arriving home after N - 1 passes."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    acc, groups = lse.dtype, q.shape[1] // k.shape[1]
     n = len(chunks_of(rank, world_size, split))
-    qs, dos, lses = q.chunk(n, 2), dout.chunk(n, 2), lse.chunk(n, 2)
-    ds_ = (dout * out).sum(dim=-1).chunk(n, 2)  # rowsum(dO * O), FlashAttention's D
+    qs, dos, lses = q.to(acc).chunk(n, 2), dout.to(acc).chunk(n, 2), lse.chunk(n, 2)
+    ds_ = (dout.to(acc) * out.to(acc)).sum(dim=-1).chunk(n, 2)  # FlashAttention's D
     dq = [torch.zeros_like(c) for c in qs]
     kv = torch.stack([k, v])
-    dkv = grad_incoming = torch.zeros_like(kv)
-    grad_requests: list = []
+    own = torch.zeros(kv.shape, dtype=acc, device=kv.device)  # never leaves
+    grad_incoming, grad_requests = own, []
     for step in range(world_size):
         if step < world_size - 1:
             incoming, requests = ring_pass(kv)
-        wait(grad_requests)  # the gradients of the block that just arrived
-        dkv = grad_incoming
-        ks, vs = kv[0].chunk(n, dim=2), kv[1].chunk(n, dim=2)
+        if step <= 1:  # this rank's own block, then a sum that starts travelling
+            dkv = own if step == 0 else torch.zeros_like(own)
+        else:  # the sum the previous rank passed on with this block
+            wait(grad_requests)
+            dkv = grad_incoming
+        ks, vs = (repeat_kv(t.to(acc), groups).chunk(n, dim=2) for t in kv)
         dks, dvs = dkv[0].chunk(n, dim=2), dkv[1].chunk(n, dim=2)  # views
         for i, j, qc, kc in block_pairs(rank, step, world_size, split, causal):
             p = torch.exp(scores(qs[i], ks[j], qc, kc, causal) - lses[i][..., None])
-            dvs[j].add_(p.transpose(-2, -1) @ dos[i])
             ds = p * (dos[i] @ vs[j].transpose(-2, -1) - ds_[i][..., None])
             ds = ds / math.sqrt(q.shape[-1])
             dq[i] += ds @ ks[j]
-            dks[j].add_(ds.transpose(-2, -1) @ qs[i])
-        if world_size > 1:  # this block's gradients follow it to the next rank
+            dvs[j].add_(fold_kv(p.transpose(-2, -1) @ dos[i], groups))
+            dks[j].add_(fold_kv(ds.transpose(-2, -1) @ qs[i], groups))
+        if step > 0:  # this block's gradients follow it to the next rank
             grad_incoming, grad_requests = ring_pass(dkv)
         if step < world_size - 1:
             wait(requests)
             kv = incoming
-    wait(grad_requests)
-    return torch.cat(dq, dim=2), grad_incoming[0], grad_incoming[1]
+    if world_size > 1:  # the other ranks' shares of this rank's block
+        wait(grad_requests)
+        own += grad_incoming
+    return torch.cat(dq, dim=2).to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype)
 
 
 class RingAttention(torch.autograd.Function):
@@ -261,8 +298,10 @@ class GatherSequence(torch.autograd.Function):
 
 
 def allgather_attention(q, k, v, causal: bool, split: str) -> torch.Tensor:
-    """Llama 3's variant: gather all keys and values, then attend once, with
-    a causal mask (additive: 0 or -inf) built from the positions each rank holds."""
+    """Llama 3's variant: gather all keys and values, then attend once. Under a
+    causal mask, an additive (T/N) x T mask (0 or -inf) built from the positions
+    each rank holds, in every layer; a mask of any shape rules out the flash
+    kernels on GPUs (they take only is_causal), not the memory-efficient one."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     seq_len = q.shape[2] * world_size
     kv = GatherSequence.apply(torch.stack([k, v]).movedim(3, 0))
@@ -276,64 +315,134 @@ def allgather_attention(q, k, v, causal: bool, split: str) -> torch.Tensor:
         later = (k_pos[None, :] > q_pos[:, None]).to(q.device)
         mask = torch.zeros(later.shape, dtype=q.dtype, device=q.device)
         mask = mask.masked_fill(later, float("-inf"))
-    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
+    gqa = q.shape[1] != k.shape[1]
+    return F.scaled_dot_product_attention(
+        q, k_all, v_all, attn_mask=mask, enable_gqa=gqa
+    )
+
+
+def send_slices(x: torch.Tensor) -> torch.Tensor:
+    """All-to-all: the i-th of N equal slices of dim 0 goes to rank i, and
+    slice i of the result comes from rank i."""
+    x = x.contiguous()  # and so the output: empty_like keeps a view's strides
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x)
+    return out
+
+
+class AllToAll(torch.autograd.Function):
+    """``send_slices`` forward; backward, the gradients go back the same way."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return send_slices(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return send_slices(grad)
+
+
+def heads_for_positions(x: torch.Tensor) -> torch.Tensor:
+    """(B, H, T/N, D) of every head -> (B, H/N, T, D): all positions, in rank
+    order, of this rank's H/N heads (heads r H/N ... (r + 1) H/N - 1)."""
+    N = dist.get_world_size()
+    parts = AllToAll.apply(x.unflatten(1, (N, -1)).movedim(1, 0))  # (N, B, H/N, L, D)
+    return parts.movedim(0, 2).flatten(2, 3)
+
+
+def positions_for_heads(x: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``heads_for_positions``."""
+    N = dist.get_world_size()
+    parts = AllToAll.apply(x.unflatten(2, (N, -1)).movedim(2, 0))  # (N, B, H/N, L, D)
+    return parts.movedim(0, 1).flatten(1, 2)
+
+
+def ulysses_attention(q, k, v, causal: bool, split: str) -> torch.Tensor:
+    """DeepSpeed-Ulysses: an all-to-all of q, k and v turns this rank's positions
+    of every head into all positions of H/N heads; attention runs locally, on
+    the sequence in its order, and a last all-to-all brings the output back."""
+    world_size = dist.get_world_size()
+    seq_len = q.shape[2] * world_size
+    order = torch.cat(
+        [positions(seq_len, r, world_size, split) for r in range(world_size)]
+    ).to(q.device)  # the position of each row after the all-to-all
+    in_order = torch.argsort(order)
+    q, k, v = (heads_for_positions(t)[:, :, in_order] for t in (q, k, v))
+    gqa = q.shape[1] != k.shape[1]
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+    return positions_for_heads(out[:, :, order])
 
 
 def attention(q, k, v, causal: bool, split: str, method: str) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence: "ring",
-    "allgather", or "local" (plain SDPA on what this process holds: the whole
-    sequence when it runs alone)."""
+    "allgather", "ulysses", or "local" (plain SDPA on what this process holds:
+    the whole sequence when it runs alone)."""
     if method == "ring":
         return RingAttention.apply(q, k, v, causal, split)
     if method == "allgather":
         return allgather_attention(q, k, v, causal, split)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    if method == "ulysses":
+        return ulysses_attention(q, k, v, causal, split)
+    gqa = q.shape[1] != k.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
 
 
-def torch_context_parallel(q, k, v, device: torch.device) -> torch.Tensor:
-    """Causal attention with torch's own context parallelism (experimental):
+def torch_context_parallel(
+    q, k, v, device: torch.device, rotate: str = "allgather"
+) -> torch.Tensor:
+    """Causal attention with torch's own context parallelism (experimental).
+
     ``context_parallel`` shards the whole q, k, v along the sequence itself,
-    head and tail chunks together (the zig-zag), and swaps SDPA for its ring
-    version while the block runs. It needs CUDA's flash, efficient or cuDNN
-    attention kernels; the CPU's SDPA has no context-parallel version."""
+    head and tail chunks together (the zig-zag) whatever the mask (without a
+    causal mask its attention raises while load balancing is on, the default),
+    and swaps SDPA for its own version while the block runs: one flash (or
+    memory-efficient, or cuDNN) call per block, merged by log-sum-exp in
+    float32. ``rotate``: "allgather" (torch's default) gathers all keys and
+    values at once, like ``allgather_attention``; "alltoall" passes them round
+    a ring. The CPU's SDPA kernel has no context-parallel version.
+    """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
     from torch.distributed.tensor.experimental._attention import (
         context_parallel_unshard,
+        set_rotate_method,
     )
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     q, k, v = (t.detach().clone() for t in (q, k, v))  # sharded in place
-    with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    set_rotate_method(rotate)  # a global setting: put the default back after
+    try:
+        with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    finally:
+        set_rotate_method("allgather")
     return context_parallel_unshard(mesh, [out], [2])[0]  # the whole output
 
 
 class CopyModel(nn.Module):
     """Token and position embeddings, one attention layer with a residual, a head."""
 
-    def __init__(self, vocab: int, seq_len: int, d: int, n_head: int, method: str):
+    def __init__(
+        self, vocab: int, seq_len: int, d: int, n_head: int, method: str, kv_heads=0
+    ):
         super().__init__()
         self.tok_emb, self.pos_emb = nn.Embedding(vocab, d), nn.Embedding(seq_len, d)
-        self.q, self.k, self.v, self.proj = (
-            nn.Linear(d, d, bias=False) for _ in range(4)
-        )
+        d_kv = d // n_head * (kv_heads or n_head)
+        self.q, self.proj = nn.Linear(d, d, bias=False), nn.Linear(d, d, bias=False)
+        self.k, self.v = nn.Linear(d, d_kv, bias=False), nn.Linear(d, d_kv, bias=False)
         self.head = nn.Linear(d, vocab, bias=False)
         self.n_head, self.method = n_head, method
 
     def forward(self, idx: torch.Tensor, pos: torch.Tensor, split: str) -> torch.Tensor:
         B, T = idx.shape
-        x = self.tok_emb(idx) + self.pos_emb(pos)
+        x = self.tok_emb(idx) + self.pos_emb(pos)  # pos: this rank's positions
+        head_dim = x.shape[-1] // self.n_head
         q, k, v = (
-            f(x).view(B, T, self.n_head, -1).transpose(1, 2)
+            f(x).view(B, T, -1, head_dim).transpose(1, 2)
             for f in (self.q, self.k, self.v)
         )
-        y = (
-            attention(q, k, v, True, split, self.method)
-            .transpose(1, 2)
-            .reshape(B, T, -1)
-        )
-        return self.head(x + self.proj(y))
+        y = attention(q, k, v, True, split, self.method)
+        return self.head(x + self.proj(y.transpose(1, 2).reshape(B, T, -1)))
 
 
 def copy_batch(
@@ -346,17 +455,21 @@ def copy_batch(
 
 
 def train(model, args, rank: int, world_size: int, device: torch.device) -> list[float]:
-    """Adam on copy batches, each rank on its part of every sequence; the
-    gradients of the (replicated) weights are summed over the ranks."""
+    """Adam on copy batches, each rank on its part of every sequence. What a
+    split sequence needs: the same permutation for inputs, targets and
+    positions; the loss as a mean over all ranks' tokens; and the gradients of
+    the (replicated) weights summed over the ranks."""
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     generator = torch.Generator().manual_seed(args.seed)  # the same on every rank
     pos = positions(args.seq_len, rank, world_size, args.split).to(device)
+    tokens = args.batch_size * args.seq_len  # all ranks' targets
     losses = []
     for _ in range(args.steps):
         x, y = copy_batch(args.batch_size, args.seq_len, args.vocab, generator)
         x, y = (shard(t, 1, rank, world_size, args.split).to(device) for t in (x, y))
         logits = model(x, pos, args.split)
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / world_size
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
+        loss = loss / tokens  # this rank's share of the mean over every token
         optimizer.zero_grad()
         loss.backward()
         grads = [p.grad for p in model.parameters()]
@@ -377,13 +490,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.error = fail  # a bad flag too: one sentence, without the usage lines
     add = parser.add_argument
     add("--split", default="zigzag", choices=["plain", "zigzag"], help="of positions")
-    add("--method", default="ring", choices=["ring", "allgather"], help="of K and V")
+    add("--method", default="ring", choices=["ring", "allgather", "ulysses"])
     add("--seq-len", type=int, default=32, help="positions per sequence (tokens)")
     add("--batch-size", type=int, default=32, help="sequences per step")
     add("--vocab", type=int, default=8, help="distinct tokens")
     add("--width", type=int, default=32, help="model width d")
     add("--heads", type=int, default=2, help="attention heads")
-    add("--steps", type=int, default=60, help="training steps")
+    add("--kv-heads", type=int, default=0, help="key-value heads (0: --heads)")
+    add("--steps", type=int, default=40, help="training steps")
     add("--lr", type=float, default=0.03, help="Adam's learning rate")
     add("--seed", type=int, default=0, help="seed of the weights and the data")
     add("--timeout", type=float, default=600, help="seconds to wait for the others")
@@ -398,10 +512,15 @@ def main() -> None:
     chunks = world_size * (1 if args.split == "plain" else 2)
     if args.seq_len % chunks or args.seq_len % 2:
         fail(f"--seq-len {args.seq_len} must be even and a multiple of {chunks}")
-    if args.width % args.heads:
-        fail(f"--width {args.width} must be a multiple of --heads {args.heads}")
+    kv_heads = args.kv_heads or args.heads
+    if args.width % args.heads or args.heads % kv_heads:
+        fail("--width must be a multiple of --heads, and --heads of --kv-heads")
+    if args.method == "ulysses" and kv_heads % world_size:
+        fail(f"--method ulysses needs --heads and --kv-heads divisible by {world_size}")
     torch.manual_seed(args.seed)
-    model = CopyModel(args.vocab, args.seq_len, args.width, args.heads, args.method)
+    model = CopyModel(
+        args.vocab, args.seq_len, args.width, args.heads, args.method, kv_heads
+    )
     losses = train(model.to(device), args, rank, world_size, device)
     if rank == 0:
         T, guess = args.seq_len, math.log(args.vocab)
