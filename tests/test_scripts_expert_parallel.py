@@ -119,6 +119,7 @@ def whole_log(args: list[str], groups: int) -> dict:
     return ep.train(ep.build(parsed, 0, 1), parsed, 0, 1, torch.device("cpu"), groups)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "nproc, args",
     [

@@ -123,6 +123,7 @@ def whole_losses(args: list[str]) -> list[float]:
     return ra.train(model, parsed, 0, 1, torch.device("cpu"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "nproc, args",
     [
