@@ -13,7 +13,7 @@ It prints, for the machine it runs on (its GPU when there is one):
    ``companion/scripts/collective_bench.py`` for every group size from 2 to
    ``--processes``, with the held-out predictions (every other size is
    fitted, the others predicted);
-3. DDP's bucket sweep on the course GPT (``companion/checks/ddp_overlap.py``):
+3. DDP's bucket sweep on the course GPT (``companion/checks/cost_of_talking.py``):
    per ``bucket_cap_mb``, the buckets, the predicted cost of communication
    (the fit, the measured backward pass and the measured contention) and the
    measured one, and the predicted best size; with ``--compile``, the
@@ -97,9 +97,11 @@ def collectives_part() -> None:
 
 def ddp_part() -> None:
     args = ["--caps", *map(str, ARGS.caps), "--n-layer", str(ARGS.n_layer),
-            "--n-embd", str(ARGS.n_embd), "--rounds", "9", "--backend", ARGS.backend]  # fmt: skip
-    ddp = launch("checks/ddp_overlap.py", args + (["--compile"] if ARGS.compile else []),
-                 nproc=2, gpus=gpus_for(2), timeout=3600)  # fmt: skip
+            "--n-embd", str(ARGS.n_embd), "--rounds", "9", "--backend", ARGS.backend,
+            "--max-bytes", "4096"]  # fmt: skip
+    talk = launch("checks/cost_of_talking.py", args + (["--compile"] if ARGS.compile else []),
+                  nproc=2, gpus=gpus_for(2), timeout=3600)  # fmt: skip
+    ddp = talk["ddp"]
     plain, steps = ddp["plain"], ddp["step"]
     order = plain["ready_order"]
     grads = [plain["bytes"][i] for i in order]

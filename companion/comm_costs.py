@@ -1,7 +1,7 @@
 """The cost of talking: alpha-beta fits of collectives, and DDP's buckets and overlap.
 
 Chapter 16 times collectives with ``companion/scripts/collective_bench.py``
-and a DDP step with ``companion/checks/ddp_overlap.py``; this module holds
+and DDP's steps with ``companion/checks/cost_of_talking.py``; this module holds
 what it predicts with (no matplotlib: the checks import it):
 
 - ``bus_factor``: nccl-tests' bus bandwidth over algorithm bandwidth,

@@ -169,8 +169,12 @@ def _default_sizes(device: torch.device, dtypes: Sequence[str]) -> dict[str, int
     """n x n products large enough to approach the peak, small enough to time fast."""
     if device.type == "cuda":
         return {d: 8192 for d in dtypes}
-    # Without bfloat16 units a CPU converts every element: a smaller product.
-    return {d: (512 if d == "bfloat16" else 1024) for d in dtypes}
+    # Without bfloat16 units a CPU converts every element, tens of times slower:
+    # a smaller product, so that timing it takes no longer than float32's.
+    from companion.hardware import UNKNOWN, bf16_matmul_support
+
+    slow = bf16_matmul_support() in (None, UNKNOWN)
+    return {d: (256 if d == "bfloat16" and slow else 1024) for d in dtypes}
 
 
 _DTYPES = {"float32": torch.float32, "tf32": torch.float32, "bfloat16": torch.bfloat16}

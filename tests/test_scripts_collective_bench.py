@@ -1,4 +1,4 @@
-"""companion/scripts/collective_bench.py and chapter 16's check, checks/ddp_overlap.py.
+"""companion/scripts/collective_bench.py and chapter 16's check, checks/cost_of_talking.py.
 
 make test launches each once with 2 processes and tiny sizes; make test-slow
 adds 4 processes with subgroups, the compiled variants of the check, plain
@@ -90,10 +90,11 @@ def test_the_gpu_path_runs_on_simulated_gpus(tmp_path) -> None:
 
 
 CHECK = ["--n-layer", "1", "--n-embd", "64", "--seq-len", "16", "--caps", "0.01", "1",
-         "--rounds", "3"]  # fmt: skip
+         "--rounds", "3", "--max-bytes", "4096"]  # fmt: skip
 
 
 def check_ddp_results(results: dict) -> None:
+    assert results["world_size"] == 2
     plain = results["plain"]
     order = plain["ready_order"]
     sizes = [plain["bytes"][i] for i in order]
@@ -105,6 +106,7 @@ def check_ddp_results(results: dict) -> None:
         "no communication", "backward beside an all-reduce", "all-reduce alone",
         "0.01 MiB", "1 MiB", "default",
     }  # fmt: skip
+    assert {r["bytes"] for r in results["all_reduce"]} == {4096 * 4**k for k in range(7)}
     assert all(v["median"] > 0 for v in results["step"].values())
     trace = results["trace"]
     default = assign_buckets(sizes, ddp_bucket_caps(None))
@@ -114,18 +116,22 @@ def check_ddp_results(results: dict) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_the_ddp_check_measures_the_buckets_ddp_builds() -> None:
-    results = launch("checks/ddp_overlap.py", CHECK, nproc=2, timeout=280)
-    check_ddp_results(results)
-    assert "compiled" not in results
+def test_the_check_times_the_collectives_and_the_buckets_ddp_builds() -> None:
+    results = launch("checks/cost_of_talking.py", CHECK, nproc=2, timeout=280)
+    assert (results["world_size"], results["backend"]) == (2, "gloo")
+    check_rows({"measurements": results["measurements"]}, [2])
+    check_ddp_results(results["ddp"])
+    assert "compiled" not in results["ddp"]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_the_compiled_variants_train_as_eager_ddp() -> None:
-    results = launch("checks/ddp_overlap.py", [*CHECK, "--compile"], nproc=2, timeout=580)
-    check_ddp_results(results)
-    comp = results["compiled"]
+def test_on_four_processes_ddp_runs_on_two_and_compiled_trains_as_eager() -> None:
+    args = [*CHECK, "--compile", "--groups", "2", "4"]
+    results = launch("checks/cost_of_talking.py", args, nproc=4, timeout=580)
+    check_rows({"measurements": results["measurements"]}, [2, 4])
+    check_ddp_results(results["ddp"])
+    comp = results["ddp"]["compiled"]
     for variant in ("ddp_optimizer", "compiled_autograd"):
         assert comp[f"{variant}_losses"] == pytest.approx(comp["eager_losses"], abs=1e-5)
     backward = max(comp["compiled_autograd_graphs"], key=lambda g: g["all_reduces"])
