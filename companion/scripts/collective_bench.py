@@ -17,7 +17,8 @@ send. Rank 0 prints, per collective and group, the time, the algorithm
 bandwidth (size / time) and the bus bandwidth: the algorithm bandwidth times
 2 (n - 1) / n for an all-reduce and (n - 1) / n for the others, what each
 rank's link carries in a ring, so that one number describes the link
-whatever the collective. A send's time is half a round trip. Every tensor
+whatever the collective. A send and receive is an exchange: each of the two
+ranks sends its message and receives the other's at once. Every tensor
 lives on the process's device: nccl on GPUs, gloo on CPUs. With ``--results
 FILE`` rank 0 writes every measurement as JSON.
 
@@ -131,15 +132,20 @@ def make_call(kind, nbytes, group, n, device, dtype=torch.float32):
         out = torch.zeros_like(whole)
         return (lambda: dist.all_to_all_single(out, whole, group=group)), whole.nbytes
 
-    def ping_pong() -> None:  # rank 0 of the group sends first; half a round trip
-        if dist.get_rank(group) == 0:
-            dist.send(part, peer)
-            dist.recv(part, peer)
-        else:
-            dist.recv(part, peer)
-            dist.send(part, peer)
+    received = torch.zeros_like(part)
 
-    return ping_pong, part.nbytes
+    def exchange() -> None:  # both directions at once, as nccl-tests' sendrecv
+        # One batch: nccl runs a send and a receive in one group (issued one
+        # after the other, both ranks' sends would wait for receives queued
+        # behind them on the same stream).
+        ops = [
+            dist.P2POp(dist.isend, part, peer, group),
+            dist.P2POp(dist.irecv, received, peer, group),
+        ]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+    return exchange, part.nbytes
 
 
 def time_calls(calls, group, device, block_s: float, blocks: int) -> list[float]:
