@@ -3,7 +3,7 @@
     python benchmarks/how_fast.py                         # all three, 2 and 4 processes
     python benchmarks/how_fast.py --only roofline
     python benchmarks/how_fast.py --processes 8 --max-bytes 1e9 --caps 1 5 25 100
-    python benchmarks/how_fast.py --only ddp --backend inductor
+    python benchmarks/how_fast.py --only ddp --compile --backend inductor
 
 It prints, for the machine it runs on (its GPU when there is one):
 
@@ -38,6 +38,7 @@ from companion.comm_costs import (
     overlap_schedule,
 )
 from companion.devices import num_gpus, try_gpu
+from companion.hardware import UNKNOWN, bf16_matmul_support
 from companion.launch import gpus_for, launch
 from companion.roofline import measure_roofline
 from companion.timing import format_ratio, format_table, format_time
@@ -54,14 +55,18 @@ def parse_args() -> argparse.Namespace:
     add("--n-layer", type=int, default=8)  # GPT blocks of the bucket sweep
     add("--n-embd", type=int, default=512)  # their width
     add("--compile", action="store_true")  # also the compiled DDP variants
-    add("--backend", default="aot_eager")  # torch.compile's backend for them
+    add("--backend", default="aot_eager")  # torch.compile's backend, with --compile
     return parser.parse_args()
 
 
 def roofline_part() -> None:
     device = try_gpu()
     dtypes = ("float32", "tf32", "bfloat16") if device.type == "cuda" else ("float32", "bfloat16")
-    sizes = {d: (16384 if device.type == "cuda" else 2048) for d in dtypes}
+    # Without bfloat16 units a CPU converts every element, tens of times slower
+    # than float32: a smaller bfloat16 product keeps its timing to seconds.
+    slow_bf16 = device.type != "cuda" and bf16_matmul_support() in (None, UNKNOWN)
+    sizes = {d: 16384 if device.type == "cuda" else 512 if d == "bfloat16" and slow_bf16
+             else 2048 for d in dtypes}  # fmt: skip
     roof, _ = measure_roofline(
         device=device, dtypes=dtypes, sizes=sizes,
         stream_bytes=ARGS.stream_mib * 2**20, min_run_time=1.0,

@@ -251,9 +251,11 @@ def overlap_schedule(
     order DDP launches them; ``cost(bytes)`` is one all-reduce's seconds. A
     bucket's all-reduce starts when its last gradient is ready and the link
     has finished the bucket before it (one all-reduce at a time, in order,
-    as one nccl stream runs them); the computation is assumed not to slow
-    down while the link works, which holds on a GPU and not quite on a CPU
-    whose cores also move the bytes.
+    as one nccl stream runs them; gloo's two worker threads per process
+    group can run two at once, which this model leaves out); the
+    computation is assumed not to slow down while the link works, which
+    holds better on a GPU than on a CPU whose cores also move the bytes
+    (``BucketSchedule.cost`` charges that separately).
     """
     ready, start, end = [], [], []
     free = 0.0

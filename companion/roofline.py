@@ -322,10 +322,14 @@ DATASHEET_PEAKS: dict[str, dict[str, float]] = {
                  "bfloat16 sparse": 1978.9e12, "bandwidth": 3.35e12},
     "H100 PCIe": {"float32": 51.2e12, "tf32": 378e12, "bfloat16": 756e12,
                   "bfloat16 sparse": 1513e12, "bandwidth": 2.0e12},
+    "H100 NVL": {"float32": 60e12, "tf32": 417.5e12, "bfloat16": 835.5e12,
+                 "bfloat16 sparse": 1671e12, "bandwidth": 3.9e12},
     "H200": {"float32": 67e12, "tf32": 494.7e12, "bfloat16": 989.4e12,
              "bfloat16 sparse": 1978.9e12, "bandwidth": 4.8e12},
     "A100": {"float32": 19.5e12, "tf32": 156e12, "bfloat16": 312e12,
-             "bfloat16 sparse": 624e12, "bandwidth": 2.0e12},
+             "bfloat16 sparse": 624e12, "bandwidth": 2.0e12},  # 80 GB SXM
+    "A100 40GB": {"float32": 19.5e12, "tf32": 156e12, "bfloat16": 312e12,
+                  "bfloat16 sparse": 624e12, "bandwidth": 1.555e12},
     "L4": {"float32": 30.3e12, "tf32": 60e12, "bfloat16": 121e12,
            "bfloat16 sparse": 242e12, "bandwidth": 0.3e12},
 }  # fmt: skip
@@ -338,7 +342,12 @@ def datasheet_peaks(device_name: str) -> tuple[str, dict[str, float]] | None:
     """
     tokens = device_name.upper().replace("-", " ").split()
     if "H100" in tokens:
-        model = "H100 PCIe" if "PCIE" in tokens else "H100 SXM"
+        model = next(
+            (m for m in ("H100 PCIe", "H100 NVL") if m.split()[1].upper() in tokens),
+            "H100 SXM",
+        )
+    elif "A100" in tokens and "40GB" in tokens:
+        model = "A100 40GB"
     else:
         model = next((m for m in ("H200", "A100", "L4") if m in tokens), None)
     return (model, DATASHEET_PEAKS[model]) if model else None
