@@ -19,7 +19,7 @@ It prints, for the machine it runs on (its GPU when there is one):
    measured one, and the predicted best size; with ``--compile``, the
    compiled variants too.
 
-The chapter runs a reduced version of each in about a minute on 2 CPU cores.
+The chapter runs a reduced version of each (one launch of the check).
 The exit status is 0 either way: the numbers are the result. Used in chapter 16.
 """
 
