@@ -63,6 +63,7 @@ SMOKE: dict[str, list[str]] = {
     "ring_attention.py": [],
     "expert_parallel.py": [],
     "failures.py": [],
+    "collective_bench.py": ["--max-bytes", "1e8", "--quiet"],
 }
 # Scripts whose every launch needs a number of processes of their own.
 PROCESSES: dict[str, tuple[int, ...]] = {}
