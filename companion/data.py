@@ -1,6 +1,6 @@
 """Data sets that need no download, and Fashion-MNIST when it can be had.
 
-- ``make_toy_data``: the appendix's five training and two test points.
+- ``make_toy_data``: five training and two test points, small enough to print.
 - ``make_spirals``: two interleaved 2-D spirals (chapter 10).
 - ``load_digits``: scikit-learn's 1,797 real 8x8 handwritten digits, upscaled
   to 28x28 so that models written for Fashion-MNIST take them unchanged.

@@ -125,13 +125,14 @@ def measure_loading_cpu(
 
     The loader shuffles, keeps its workers alive between epochs, and is read
     once before measuring (which starts the workers), so the numbers are the
-    steady state, averaged over ``epochs`` epochs. Worker processes are found
-    as the new descendants of this process. Used in chapter 03.
+    steady state, averaged over ``epochs`` epochs. The workers are the
+    loader's own processes, not every new child: under ``spawn`` or
+    ``forkserver`` multiprocessing also starts helper processes (its resource
+    tracker, the fork server). Used in chapter 03.
     """
     if epochs < 1:
         raise ValueError(f"epochs must be at least 1, not {epochs}.")
     me = psutil.Process()
-    before = {child.pid for child in me.children(recursive=True)}
     loader = DataLoader(
         dataset,
         batch_size=batch_size,
@@ -141,7 +142,13 @@ def measure_loading_cpu(
     )
     for _ in loader:  # starts the workers
         pass
-    workers = [c for c in me.children(recursive=True) if c.pid not in before]
+    # The persistent iterator's worker processes (a private attribute of
+    # PyTorch's DataLoader, present from 1.x to 2.14).
+    workers = (
+        [psutil.Process(w.pid) for w in loader._iterator._workers]
+        if num_workers > 0
+        else []
+    )
     processes = [me, *workers]
     start = [_cpu_seconds(p) for p in processes]
     for _ in range(epochs):

@@ -63,10 +63,11 @@ def setup_notebook(seed: int = 0) -> None:
     - figures: PNG at twice the resolution ("retina"), shown at their size, so
       they stay sharp on high-DPI screens (nbval does not compare images; SVG
       would carry random ids);
-    - ``float32`` matrix products stay in full precision on GPUs too
-      (``torch.set_float32_matmul_precision("highest")``, PyTorch's default,
-      set explicitly): chapters compare float32 results with tolerances that
-      TF32 tensor cores would not meet;
+    - ``float32`` matrix products and convolutions stay in full precision on
+      GPUs too (``torch.set_float32_matmul_precision("highest")``, PyTorch's
+      default, set explicitly, and ``torch.backends.cudnn.allow_tf32 = False``,
+      since cuDNN's default is TF32): chapters compare float32 results with
+      tolerances that TF32 tensor cores would not meet;
     - known noise is silenced, because nbval compares stderr too:
       ``torch.compile``'s "No CUDA runtime is found" log line on CPU-only
       machines, and Inductor's advice on GPUs to enable TF32 (declined above)
@@ -76,6 +77,7 @@ def setup_notebook(seed: int = 0) -> None:
     """
     set_seed(seed)
     torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
     for message in INDUCTOR_NOTES:
         warnings.filterwarnings("ignore", message=message, category=UserWarning)
     try:

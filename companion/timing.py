@@ -56,9 +56,15 @@ def format_ratio(ratio: float, digits: int = 2) -> str:
 
     The course writes measured ratios with ``×`` and constants (a target, a
     bound in a claim) with ``x``, so that the notebook checks can mask the
-    first, which vary between machines, and compare the second.
+    first, which vary between machines, and compare the second. From 100 up,
+    three significant digits (``5170×``): more would claim a precision that
+    no timing has.
     """
-    return f"{ratio:.{digits}f}×" if math.isfinite(ratio) else "n/a"
+    if not math.isfinite(ratio):
+        return "n/a"
+    if abs(ratio) >= 100:
+        return f"{float(f'{ratio:.3g}'):.0f}×"
+    return f"{ratio:.{digits}f}×"
 
 
 @dataclass(frozen=True)

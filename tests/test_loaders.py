@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import pickle
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from companion.loaders import JpegImageDataset, _cpu_seconds, measure_loading_cpu
 
@@ -82,6 +84,31 @@ def test_measure_loading_cpu_finds_the_workers(num_workers: int) -> None:
         assert sum(cpu.workers) > cpu.main  # workers decode; the main process receives
     else:
         assert cpu.main > 0
+
+
+class StartsAHelper(Dataset):
+    """Items of ``inner``; the first item a process reads also starts a short-lived helper process."""
+
+    def __init__(self, inner: Dataset) -> None:
+        self.inner, self.started = inner, False
+
+    def __getitem__(self, index: int):
+        if not self.started:  # like multiprocessing's resource tracker, a stray process
+            self.started = True
+            subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"])
+        return self.inner[index]
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+
+def test_measure_loading_cpu_counts_only_the_loaders_workers() -> None:
+    images, labels = torch.rand(16, 1, 28, 28), torch.zeros(16, dtype=torch.long)
+    dataset = StartsAHelper(
+        JpegImageDataset(images, labels, stored_size=48, crop_size=32)
+    )
+    cpu = measure_loading_cpu(dataset, num_workers=1, batch_size=8, epochs=1)
+    assert len(cpu.workers) == 1  # the helper, a new descendant too, is not a worker
 
 
 def test_cpu_seconds_are_user_plus_system_time() -> None:

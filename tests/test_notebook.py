@@ -118,6 +118,7 @@ def test_float32_products_stay_full_precision_and_inductor_notes_are_quiet():
     import warnings
 
     torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.allow_tf32 = True  # cuDNN's default: TF32 convolutions
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         setup_notebook()
@@ -131,4 +132,5 @@ def test_float32_products_stay_full_precision_and_inductor_notes_are_quiet():
             warnings.warn(text, UserWarning)
         warnings.warn("a warning the reader should see", UserWarning)
     assert torch.get_float32_matmul_precision() == "highest"
+    assert torch.backends.cudnn.allow_tf32 is False
     assert [str(w.message) for w in caught] == ["a warning the reader should see"]

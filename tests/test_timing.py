@@ -191,6 +191,8 @@ def test_timing_from_samples():
     [
         (1.5, 2, "1.50×"),
         (12.34, 1, "12.3×"),
+        (5167.29, 2, "5170×"),  # three significant digits from 100 up
+        (123.456, 2, "123×"),
         (math.nan, 2, "n/a"),
         (math.inf, 1, "n/a"),
     ],
