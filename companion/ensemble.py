@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from companion.timing import (
     Benchmark,
-    benchmark,
+    benchmark_interleaved,
     format_ratio,
     format_table,
     format_time,
@@ -363,7 +363,7 @@ def _module_loop(
     return loop
 
 
-def _time_four_ways(
+def _four_ways(
     step: TrainStep,
     compiled_vmap: Callable[..., Any],
     optimizer: Optimizer,
@@ -371,9 +371,14 @@ def _time_four_ways(
     opt_state: OptState,
     inputs: torch.Tensor,
     targets: torch.Tensor,
-    min_run_time: float,
-) -> dict[str, Any]:
-    """Time one step of n models four ways: module loop, functional loop, vmap, compiled vmap."""
+) -> tuple[dict[str, Callable[[], Any]], float, bool]:
+    """Compile the step for n models and return the four ways to time, compile seconds, cache hit.
+
+    The four ways take one step of the n models: module loop, functional
+    loop, eager vmap, compiled vmap. The first call of the compiled step
+    compiles (and runs once); ``cache hit`` says whether Inductor's on-disk
+    cache served that compilation (a first run on a machine compiles slower).
+    """
     n = inputs.shape[0]
     per_model = list(
         zip(
@@ -385,33 +390,19 @@ def _time_four_ways(
         for p, s, x, y in per_model:
             step(p, s, x, y)
 
-    with Benchmark(quiet=True) as compiling:  # the first call compiles (and runs once)
-        compiled_vmap(params, opt_state, inputs, targets)
-
     args = (params, opt_state, inputs, targets)
-    module_time = benchmark(
-        _module_loop(n, optimizer, inputs, targets),
-        label=f"module loop, {n} models",
-        min_run_time=min_run_time,
-    )
-    loop_time = benchmark(loop, label=f"loop, {n} models", min_run_time=min_run_time)
-    vmap_time = benchmark(
-        vmap(step), *args, label=f"vmap, {n} models", min_run_time=min_run_time
-    )
-    compiled_time = benchmark(
-        compiled_vmap,
-        *args,
-        label=f"compiled vmap, {n} models",
-        min_run_time=min_run_time,
-    )
-    return {
-        "models": n,
-        "module loop": module_time,
-        "loop": loop_time,
-        "vmap": vmap_time,
-        "compiled": compiled_time,
-        "compile": compiling.elapsed,
+    eager_vmap = vmap(step)
+    hits = torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"]
+    with Benchmark(quiet=True) as compiling:
+        compiled_vmap(*args)
+    cache_hit = torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"] > hits
+    ways = {
+        f"module loop, {n} models": _module_loop(n, optimizer, inputs, targets),
+        f"loop, {n} models": loop,
+        f"vmap, {n} models": lambda: eager_vmap(*args),
+        f"compiled vmap, {n} models": lambda: compiled_vmap(*args),
     }
+    return ways, compiling.elapsed, cache_hit
 
 
 def benchmark_ensemble(
@@ -433,8 +424,12 @@ def benchmark_ensemble(
     ``vmap`` under ``torch.compile(fullgraph=True, dynamic=False)``. The
     compiled step is built once and compiled once per model count (shapes
     are static); the first call, which compiles (and runs once), is timed
-    apart as ``compile`` (seconds). Each row holds ``Timing`` medians
-    (``module loop``, ``loop``, ``vmap``, ``compiled``);
+    apart as ``compile`` (seconds), and ``cache hit`` says whether
+    Inductor's on-disk cache served it. Every count is compiled first; then
+    all the entries are timed with ``benchmark_interleaved``, taking turns
+    block by block, so a busy spell on a shared machine slows them alike.
+    Each row holds ``Timing`` medians (``module loop``, ``loop``, ``vmap``,
+    ``compiled``);
     ``format_speed_table`` lays them out and ``speed_verdicts`` checks them.
     Everything runs with the current ``torch.get_num_threads()``.
     """
@@ -453,28 +448,43 @@ def benchmark_ensemble(
     compiled_vmap = torch.compile(
         vmap(step), fullgraph=True, dynamic=False, mode=compile_mode
     )
-    rows = []
+    ways: dict[str, Callable[[], Any]] = {}
+    compiles: dict[int, tuple[float, bool]] = {}
     # One compiled entry per model count: lift Dynamo's limit (8) if needed,
     # or the extra counts would silently fall back to eager code.
     limit = max(torch._dynamo.config.recompile_limit, len(model_counts) + 1)
     with torch._dynamo.config.patch(recompile_limit=limit):
-        for n in model_counts:
+        for n in model_counts:  # compile every count before timing any
             _, params, opt_state = init_ensemble(n, optimizer, device=device)
             idx = sample_subsets(n, num_points, subset_size, generator=generator).to(
                 device
             )
-            rows.append(
-                _time_four_ways(
-                    step,
-                    compiled_vmap,
-                    optimizer,
-                    params,
-                    opt_state,
-                    points[idx],
-                    labels[idx],
-                    min_run_time,
-                )
+            fns, seconds, cache_hit = _four_ways(
+                step,
+                compiled_vmap,
+                optimizer,
+                params,
+                opt_state,
+                points[idx],
+                labels[idx],
             )
+            ways |= fns
+            compiles[n] = (seconds, cache_hit)
+        # All 4 x len(model_counts) entries take turns, block by block.
+        times = benchmark_interleaved(ways, min_run_time=min_run_time)
+    rows = []
+    for n in model_counts:
+        rows.append(
+            {
+                "models": n,
+                "module loop": times[f"module loop, {n} models"],
+                "loop": times[f"loop, {n} models"],
+                "vmap": times[f"vmap, {n} models"],
+                "compiled": times[f"compiled vmap, {n} models"],
+                "compile": compiles[n][0],
+                "cache hit": compiles[n][1],
+            }
+        )
     return rows
 
 
@@ -494,7 +504,8 @@ def format_speed_table(rows: Sequence[dict[str, Any]]) -> str:
             "compiled\nspeed-up": format_ratio(
                 row["module loop"].median / row["compiled"].median, 1
             ),
-            "compile\ntime": format_time(row["compile"]),
+            "compile\ntime": format_time(row["compile"])
+            + (" (cached)" if row.get("cache hit") else ""),
         }
         for row in rows
     ]

@@ -204,6 +204,7 @@ def test_benchmark_ensemble_reports_every_count():
         ]:
             assert row[key].label == f"{name}, {n} models"
         assert row["compile"] > 0
+        assert isinstance(row["cache hit"], bool)
     lines = format_speed_table(rows).splitlines()
     # A title, two header lines, a rule, the rows, the hardware line.
     assert lines[1].split()[:3] == ["module", "functional", "eager"]

@@ -16,7 +16,8 @@ parallelisation:
    rank (``companion.memory.SavedTensors``) and in the unsharded model, the
    forward and backward times of ``--iters`` steps after a warm-up (the
    device synchronised around each), and each rank's peak memory (CUDA
-   memory on a GPU, the peak resident set on a CPU).
+   memory on a GPU, reset per mode; on a CPU the peak resident set since
+   the process started, which includes every earlier mode).
 
 Rank 0 writes the results as JSON (``--results``). Used in chapter 11.
 """
