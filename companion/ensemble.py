@@ -504,8 +504,7 @@ def format_speed_table(rows: Sequence[dict[str, Any]]) -> str:
             "compiled\nspeed-up": format_ratio(
                 row["module loop"].median / row["compiled"].median, 1
             ),
-            "compile\ntime": format_time(row["compile"])
-            + (" (cached)" if row.get("cache hit") else ""),
+            "compile\ntime": format_time(row["compile"]),
         }
         for row in rows
     ]
