@@ -201,6 +201,27 @@ def test_train_classifier_moves_model_and_batches_to_the_device(
     assert model.weight.device == expected
 
 
+def test_train_classifier_copies_batches_with_non_blocking(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Both the inputs and the labels go to the device with non_blocking=True, so
+    that pinned batches can overlap with the step (chapter 06)."""
+    calls = []
+    original = torch.Tensor.to
+
+    def recording_to(self, *args, **kwargs):
+        calls.append(kwargs.get("non_blocking", False))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", recording_to)
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(blobs(16), batch_size=8)
+    train_classifier(model, loader, optimizer, num_epochs=1, progress=False)
+    assert calls.count(True) == 4  # two batches, inputs and labels
+    assert model.weight.device.type == "cpu"
+
+
 def test_train_classifier_rejects_bad_input() -> None:
     model = nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
