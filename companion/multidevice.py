@@ -188,8 +188,9 @@ def train_batch(
     copy of the parameters, which therefore stay identical.
     """
     X_shards, y_shards = split_batch(X, y, devices)
-    # On GPUs these forward and backward passes run concurrently: each call
-    # only queues kernels on its own device and returns.
+    # On GPUs each call returns once its kernels are queued, so one device
+    # computes while Python queues the next one's work; small kernels mostly
+    # take turns. On the CPU the replicas run one after the other.
     losses = [
         F.cross_entropy(lenet(X_shard, params), y_shard, reduction="sum")
         for X_shard, y_shard, params in zip(X_shards, y_shards, device_params)

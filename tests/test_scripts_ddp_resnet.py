@@ -53,7 +53,10 @@ def data_file(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.mark.timeout(240)
 @pytest.mark.slow
 def test_the_check_trains_with_the_script_and_times_the_parts(data_file: str) -> None:
-    args = ["--data", data_file, *TINY, "--timing-rounds", "2"]
+    args = [
+        "--data", data_file, *TINY, "--timing-rounds", "2",
+        "--also-global-batch-size", "8",
+    ]  # fmt: skip
     results = launch("checks/ddp_scaling.py", args, nproc=2, timeout=200)
     assert results["world_size"] == 2 and results["data"] == "images.pt"
     assert (results["device"], results["backend"]) == ("cpu", "gloo")
@@ -66,6 +69,14 @@ def test_the_check_trains_with_the_script_and_times_the_parts(data_file: str) ->
     assert (
         min(timing["compute_time"], timing["allreduce_time"], timing["step_time"]) > 0
     )
+    assert all(len(v) == 2 for v in timing["samples"].values())
+    also = results["also_timing"]
+    assert (timing["global_batch_size"], also["global_batch_size"]) == (16, 8)
+    assert also["gradient_floats"] == timing["gradient_floats"]
+    # The width-4 model's 0.2 MB of gradients: one bucket, as DDP's rule says.
+    buckets = results["ddp_buckets"]
+    assert buckets["gradient_bytes"] == 4 * results["parameters"]
+    assert buckets["bucket_bytes"] == [buckets["gradient_bytes"]]
 
 
 @pytest.mark.slow
