@@ -312,22 +312,26 @@ def step_costs(
     }
 
 
-def model_state_bytes(
-    model: GPTWorkload, layout: str, processes: int, bytes_per_parameter: int = 16
-) -> float:
+def model_state_bytes(model: GPTWorkload, layout: str, processes: int) -> float:
     """Bytes of parameters, gradients and Adam's state per device (activations
     left out): the whole model's for ``"data"``, 1/N of it for the others.
 
-    16 bytes per parameter: bfloat16 weights and gradients (2 + 2), and
-    float32 master weights and Adam's two moments (4 + 8); FSDP2's shards
-    hold the same 16 (float32 weights, gradients and moments).
+    Data parallelism keeps the weights in ``model.dtype_bytes``, the gradients
+    it all-reduces in ``model.grad_bytes``, and Adam's two float32 moments
+    (8), plus float32 master weights (4) when the weights are narrower:
+    2 + 4 + 12 = 18 bytes per parameter in bfloat16 mixed precision with
+    float32 gradients (as Megatron-LM keeps them), 16 in float32. FSDP2's
+    shards hold 16 (float32 weights, gradients and moments).
     """
     if layout not in LAYOUTS:
         raise CourseError(
             f"the cost model knows the layouts {', '.join(LAYOUTS)}, not {layout!r}."
         )
-    whole = model.parameters * bytes_per_parameter
-    return whole if layout == "data" else whole / processes
+    if layout != "data":
+        return model.parameters * 16 / processes
+    master = 4 if model.dtype_bytes < 4 else 0
+    per_parameter = model.dtype_bytes + model.grad_bytes + master + 8
+    return model.parameters * per_parameter
 
 
 def saved_activation_bytes(model: GPTWorkload, plan: Plan, processes: int) -> float:

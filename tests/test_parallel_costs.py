@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -226,7 +227,11 @@ def test_fsdp_sends_one_and_a_half_all_reduces_and_overlap_hides_them() -> None:
 
 def test_model_state_bytes() -> None:
     model = GPTWorkload(n_layer=2, n_embd=8, seq_len=4, batch_size=2)
-    assert model_state_bytes(model, "data", 4) == 16 * 1536
+    assert model_state_bytes(model, "data", 4) == 16 * 1536  # float32: 4 + 4 + 8
+    # bfloat16 weights, float32 gradients and master weights: 2 + 4 + 4 + 8
+    mixed = dataclasses.replace(model, dtype_bytes=2)
+    assert model_state_bytes(mixed, "data", 4) == 18 * 1536
+    assert model_state_bytes(mixed, "fsdp", 4) == 4 * 1536
     for layout in ("fsdp", "tensor", "pipeline"):
         assert model_state_bytes(model, layout, 4) == 4 * 1536
     with pytest.raises(CourseError, match="not 'expert'"):
