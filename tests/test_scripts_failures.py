@@ -444,7 +444,10 @@ def test_a_worker_server_answers_while_a_rank_hangs(tmp_path):
     run = run_torchrun(
         SCRIPT,
         ["--fail", "stuck", "--timeout", "6", "--debug-socket", sockets],
-        probe=lambda: stacks_on_demand(sockets, {0: "backward", 1: "load_batch"}),
+        probe=lambda: stacks_on_demand(
+            sockets, {0: "backward", 1: "load_batch"}, timeout=120
+        ),
+        timeout=180,  # a busy machine starts torchrun's workers slowly
     )
     asked = run.probed
     stacks = find_stacks([asked["stacks"][r] for r in range(2)])
