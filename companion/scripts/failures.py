@@ -381,7 +381,7 @@ def train(args: argparse.Namespace, device: torch.device) -> dict:
     samples = args.samples - (args.fail == "uneven")  # one sample filtered out
     model = build_model(args.seed, device)
     wrapped = parallelize(model, args)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     start, history = load_checkpoint(args.checkpoint_dir, model, optimizer)
     mine = len(batches_of(epoch_order(samples, 0, args), micro))  # steps per epoch
     lengths = torch.tensor([mine, -mine], device=device)
@@ -403,6 +403,7 @@ def train(args: argparse.Namespace, device: torch.device) -> dict:
     seen = torch.full((steps, micro), -1, device=device)  # each step's samples
     step, previous, skip = start, None, start % mine
     watched, busy = [], []  # --watch: recent global losses; seconds per step
+    joined = args.fix == "join"
     for epoch in range(start // mine, args.epochs):
         order = epoch_order(samples, epoch, args)
         batches = batches_of(order, micro)
@@ -428,7 +429,6 @@ def train(args: argparse.Namespace, device: torch.device) -> dict:
                 loss_sum, done, step = loss_sum + loss.item(), done + 1, step + 1
                 # in join(), per-rank steps differ, and a rank that has left would
                 # not come: check by the epoch's steps, before the shortest shard ends
-                joined = args.fix == "join"
                 due = (
                     args.check_every
                     and (done if joined else step) % args.check_every == 0
@@ -438,6 +438,8 @@ def train(args: argparse.Namespace, device: torch.device) -> dict:
                 if args.checkpoint_every and step % args.checkpoint_every == 0:
                     losses = global_losses(local, history, start, step)
                     save_checkpoint(args.checkpoint_dir, step, model, optimizer, losses)
+        if joined and args.check_every:  # after join()'s broadcast: every rank here
+            check_replicas(model, step)
         skip = 0
         if args.stall_dump:
             faulthandler.dump_traceback_later(args.stall_dump)
@@ -486,7 +488,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--epochs", type=int, default=3, help="passes over the data (default: 3)")
     add("--samples", type=int, default=256, help="training samples (default: 256)")
     add("--global-batch-size", type=int, default=32, help="samples per step")
-    add("--lr", type=float, default=0.1, help="SGD learning rate, momentum 0.9")
+    add("--lr", type=float, default=0.1, help="SGD learning rate (default: 0.1)")
+    add("--momentum", type=float, default=0.9, help="SGD momentum (default: 0.9)")
     add("--seed", type=int, default=0, help="seed of the data, model and sampler")
     add("--shard", action="store_true", help="FSDP2 (fully_shard) instead of DDP")
     add("--timeout", type=float, default=600, help="seconds a collective may wait")
@@ -503,10 +506,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.checkpoint_every and not args.checkpoint_dir:
         parser.error("--checkpoint-every needs --checkpoint-dir")
-    if args.fix == "join" and (args.shard or args.checkpoint_every):
+    if args.fix == "join" and (args.shard or args.checkpoint_every or args.watch):
         parser.error(
-            "--fix join works with DDP and without --checkpoint-every (a rank that "
-            "has left join() would never join the save)"
+            "--fix join works with DDP and without --checkpoint-every or --watch (a "
+            "rank that has left join() would never join the save or the gather)"
         )
     return args
 
