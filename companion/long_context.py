@@ -197,7 +197,7 @@ def attention_saved_bytes(
     - ``"allgather"``: q, the output and the log-sum-exp for T/N positions,
       the gathered keys and values for all T, and, if causal, the script's
       mask: an additive (T/N) x T matrix of zeros and -inf (production
-      versions call a causal flash kernel per chunk of queries instead).
+      versions keep no mask: they call flash kernels on blocks instead).
     """
     B, H, T, D, N = batch, heads, seq_len, head_dim, world_size
     kv, lse_bytes = kv_heads or heads, max(dtype_bytes, 4)
