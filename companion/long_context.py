@@ -195,8 +195,9 @@ def attention_saved_bytes(
     - ``"ulysses"``: the same again (T positions of heads/N heads), and the two
       int64 permutations of the T positions that order the gathered sequence;
     - ``"allgather"``: q, the output and the log-sum-exp for T/N positions,
-      the gathered keys and values for all T, and, if causal, the mask: an
-      additive (T/N) x T matrix of zeros and -inf.
+      the gathered keys and values for all T, and, if causal, the script's
+      mask: an additive (T/N) x T matrix of zeros and -inf (production
+      versions keep no mask: they call flash kernels on blocks instead).
     """
     B, H, T, D, N = batch, heads, seq_len, head_dim, world_size
     kv, lse_bytes = kv_heads or heads, max(dtype_bytes, 4)
@@ -331,19 +332,25 @@ def dropless_bytes_per_rank(
     ]
 
 
-def expert_flops_per_byte(hidden: int, dtype_bytes: int, world_size: int) -> float:
+def expert_flops_per_byte(
+    hidden: int, dtype_bytes: int, world_size: int, matrices: int = 2
+) -> float:
     """FLOPs of the experts per byte the all-to-alls send, forward, per rank.
 
-    Each row (a token's choice) costs 2 x 2 x d x hidden FLOPs in an expert
-    MLP (two products, 2 FLOPs per multiply-add) and travels twice, d values
-    to the expert and d back; (N - 1)/N of a rank's rows travel: the ratio is
-    2 hidden N / ((N - 1) dtype_bytes), whatever the width d. A transfer hides
-    behind the experts' arithmetic when the device computes more FLOPs in the
-    time the link sends a byte than this ratio.
+    Each row (a token's choice) costs 2 x matrices x d x hidden FLOPs in an
+    expert (2 FLOPs per multiply-add; ``matrices`` products of d x hidden: 2
+    for the scripts' MLP, 3 for a SwiGLU expert's gate, up and down) and
+    travels twice, d values to the expert and d back; (N - 1)/N of a rank's
+    rows travel: the ratio is matrices x hidden N / ((N - 1) dtype_bytes),
+    whatever the width d. A transfer hides behind the experts' arithmetic when
+    the device computes more FLOPs in the time the link sends a byte than this
+    ratio.
     """
     if world_size < 2:
         raise CourseError("with one rank nothing travels: give world_size >= 2.")
-    return 2 * hidden * world_size / ((world_size - 1) * dtype_bytes)
+    if matrices < 1:
+        raise CourseError(f"matrices must be at least 1 (got {matrices}).")
+    return matrices * hidden * world_size / ((world_size - 1) * dtype_bytes)
 
 
 def plot_ring_steps(world_size: int, split: str, *, ax: Axes | None = None) -> Axes:

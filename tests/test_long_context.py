@@ -257,6 +257,25 @@ def test_flops_per_byte_of_an_expert_layer_are_counted():
         expert_flops_per_byte(hidden, b, 1)
 
 
+def test_flops_per_byte_of_swiglu_experts_count_three_products():
+    """A SwiGLU expert (gate, up, down: DeepSeek-V3's) computes 3/2 of the MLP's."""
+    d, hidden, rows, N, b = 16, 64, 40, 4, 2
+    x = torch.randn(rows, d)
+    gate, up, down = (
+        torch.randn(d, hidden),
+        torch.randn(d, hidden),
+        torch.randn(hidden, d),
+    )
+    with FlopCounterMode(display=False) as counter:
+        (torch.nn.functional.silu(x @ gate) * (x @ up)) @ down
+    sent = 2 * rows * (N - 1) // N * d * b
+    assert counter.get_total_flops() / sent == pytest.approx(
+        expert_flops_per_byte(hidden, b, N, matrices=3)
+    )
+    with pytest.raises(CourseError, match="matrices must be at least 1"):
+        expert_flops_per_byte(hidden, b, N, matrices=0)
+
+
 def test_chunks_and_bad_splits():
     assert chunks_held(1, 4, "plain") == [1]
     assert chunks_held(1, 4, "zigzag") == [1, 6]

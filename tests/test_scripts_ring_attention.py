@@ -19,6 +19,8 @@ variant, bad input, the chapter's check on 2 processes and torch's own
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -158,6 +160,12 @@ def test_the_chapters_check_on_two_processes():
     assert all(result["checks"].values()), result["checks"]
     tried = result["torch_context_parallel"]["allgather"]  # no CUDA here
     assert not tried["ran"] and tried["error"] == "NotImplementedError"
+    bf16 = next(c for c in result["cases"] if c["dtype"] == "bfloat16")
+    assert bf16["tolerance"] == 1.5 * bf16["kernel_max_diff"] > 0
+    # the trained model, given a plain split's positions, loses what it learned
+    run = result["training"]["run"]
+    held_out, guess = run["held_out_losses"], math.log(run["vocab"])
+    assert held_out["plain split's"] >= (held_out["right"] + guess) / 2
 
 
 @pytest.mark.slow

@@ -11,7 +11,9 @@ Every block's MLP becomes a mixture of experts: a router scores n_experts
 MLPs for each token, the token goes to its top_k, and their outputs are
 summed, weighted by the router's probabilities. Each of the N processes holds
 n_experts / N experts and trains on its own batch (data parallel for the
-rest of the model). Tokens travel to the process that holds their expert and
+rest of the model; each expert has one copy, so its gradients need no
+all-reduce: with more processes than expert groups they would be summed over
+each expert's copies). Tokens travel to the process that holds their expert and
 back by two all-to-alls per layer (dispatch and combine), and two more in the
 backward pass. With a capacity factor, an expert takes at most
 ceil(capacity_factor x top_k x tokens / n_experts) tokens from each process
@@ -206,7 +208,7 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, x.shape[-1])  # this process's tokens: one group
         probs = self.router(tokens).softmax(dim=-1)  # (S, E)
         gate, expert = probs.topk(k, dim=-1)  # (S, k)
-        if self.config.normalize_gates:  # GShard's top-2, Mixtral, DeepSeek-V3
+        if self.config.normalize_gates:  # GShard's top-2, Mixtral (V3: on sigmoids)
             gate = gate / gate.sum(dim=-1, keepdim=True)
         expert = expert.t().reshape(-1)  # (k S,), choice-major
         chosen = F.one_hot(expert, E)
@@ -220,7 +222,8 @@ class MoE(nn.Module):
         if self.shared is not None:
             y = y + self.shared(tokens)
         # The load-balancing loss (Switch Transformer, Megatron-Core): n_experts x
-        # sum over experts of (share of choices) x (mean probability); 1 when even.
+        # sum over experts of (share of choices) x (mean probability); 1 when
+        # either is even, up to n_experts when both favour the same experts.
         self.aux_loss = E * (chosen.float().mean(dim=0) * probs.mean(dim=0)).sum()
         self.load = chosen.sum(dim=0).detach()  # choices per expert, before capacity
         return y.view(x.shape)

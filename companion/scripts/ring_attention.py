@@ -301,7 +301,11 @@ def allgather_attention(q, k, v, causal: bool, split: str) -> torch.Tensor:
     """Llama 3's variant: gather all keys and values, then attend once. Under a
     causal mask, an additive (T/N) x T mask (0 or -inf) built from the positions
     each rank holds, in every layer; a mask of any shape rules out the flash
-    kernels on GPUs (they take only is_causal), not the memory-efficient one."""
+    kernels on GPUs (they take only is_causal), not the memory-efficient one.
+    Production versions keep no mask: they call flash kernels on blocks
+    (torch's context_parallel: one per gathered block of keys, merged by
+    log-sum-exp; Transformer Engine: one per chunk of queries, on its prefix).
+    Nothing overlaps the gather: it sits on the critical path."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     seq_len = q.shape[2] * world_size
     kv = GatherSequence.apply(torch.stack([k, v]).movedim(3, 0))
