@@ -620,10 +620,12 @@ def stacks_on_demand(
     The ranks' worker servers listen on ``folder/rank<r>.sock``
     (``failures.py --debug-socket``). The ranks of ``wait_for`` are asked for
     their stacks until each shows its function (``{1: "load_batch"}``: rank
-    1 has reached the hang), or for ``timeout`` seconds; then every rank's
-    Flight Recorder is asked for at once, and the other ranks' stacks:
-    ``{"stacks": {rank: text}, "flight_records": {rank: json}}``, without
-    the ranks that did not answer.
+    1 has reached the hang) and, where every rank's Flight Recorder answers,
+    until the records disagree (a rank that is still computing before its
+    collective looks like one that waits in it), or for ``timeout`` seconds;
+    then every rank's Flight Recorder is asked for at once, and the other
+    ranks' stacks: ``{"stacks": {rank: text}, "flight_records": {rank:
+    json}}``, without the ranks that did not answer.
     """
     deadline = time.monotonic() + timeout
     sockets: dict[int, Path] = {}
@@ -637,7 +639,14 @@ def stacks_on_demand(
         except (OSError, KeyError):  # not listening yet, or gone
             stacks = {}
         if stacks and all(f" in {wait_for[r]}" in stacks[r] for r in wait_for):
-            break
+            try:
+                records = {
+                    r: ask_worker(p, "fr_trace_json") for r, p in sockets.items()
+                }
+            except OSError:  # no Flight Recorder handler here: the stacks decide
+                break
+            if compare_flight_records(flight_records_from_json(records)) is not None:
+                break
         time.sleep(0.2)
     answers: dict[str, dict[int, str]] = {"stacks": stacks, "flight_records": {}}
     for rank, path in sorted(sockets.items()):  # quickly: the hang ends in seconds

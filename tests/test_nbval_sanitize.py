@@ -51,8 +51,8 @@ EXAMPLES = {
     ),
     "trailing-spaces": ("done   \nnext", "done\nnext", "a  b\n"),
     "peak-memory": (
-        "peak resident set 931 MiB",
-        "peak resident set <memory>",
+        "peak resident set since the process started 931 MiB",
+        "peak resident set since the process started <memory>",
         "2.30 MiB saved for backward",
     ),
     "cpu-peak-estimate": (

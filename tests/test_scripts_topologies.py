@@ -48,6 +48,15 @@ SIMULATED_GPU = ROOT / "tests" / "scripts" / "simulated_gpu.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 # A few steps of each script: enough to get past the first.
 TINY = {
+    "collective_bench.py": [
+        "--collectives",
+        "all_reduce",
+        "--max-bytes",
+        "4096",
+        "--blocks",
+        "1",
+        "--quiet",
+    ],
     "convnext_sharded.py": ["--steps", "2"],
     "ddp_resnet.py": ["--width", "2", "--epochs", "1", "--global-batch-size", "8"],
     "ddp_train.py": ["--steps", "3", "--samples", "96", "--log-every", "1"],

@@ -48,17 +48,19 @@ KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"
 
 
 def fail(message: str) -> None:
-    """End this process with one sentence on stderr and exit code 2."""
+    """Stop with one sentence on stderr and in torchrun's summary; exit code 2."""
+    if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))):
+        time.sleep(30)  # rank 0 says it, while torchrun or srun -K stops the others
     print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr)
+    if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's summary
+        said = {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}
+        with open(error_file, "w") as f:  # as @record writes it, less the traceback
+            json.dump({"message": said}, f)
     sys.exit(2)
 
 
 def setup_distributed(timeout_s: float = 600) -> tuple[int, int, int, torch.device]:
-    """Join the process group; return ``rank, local_rank, world_size, device``.
-
-    A process takes GPU ``local_rank`` when its node has one per process (srun
-    --gpus-per-task=1 shows each its own as GPU 0), and the CPU when it has none.
-    """
+    """Join the process group; return ``rank, local_rank, world_size, device``."""
     if torch.__version__ < (2, 10):
         fail(f"these scripts need PyTorch 2.10 or newer, not {torch.__version__}")
     env = os.environ  # set by torchrun or srun; plain python is one process
@@ -66,12 +68,11 @@ def setup_distributed(timeout_s: float = 600) -> tuple[int, int, int, torch.devi
     local_rank = int(env.get("LOCAL_RANK", env.get("SLURM_LOCALID", 0)))
     world_size = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", 1)))
     per_node = int(env.get("LOCAL_WORLD_SIZE", env.get("SLURM_NTASKS_PER_NODE", 1)))
-    gpus = torch.cuda.device_count()
-    own = gpus == 1 and "RANK" not in env  # srun --gpus-per-task=1, or python
-    gpu = 0 if own else local_rank
+    gpus = torch.cuda.device_count()  # a process takes GPU local_rank, except under
+    own = gpus == 1 and "RANK" not in env  # srun --gpus-per-task=1 (its own, as 0)
     if not own and 0 < gpus < max(per_node, local_rank + 1):
         fail(f"this node has {gpus} GPU(s) for {per_node} processes")
-    device = torch.device("cuda", gpu) if gpus else torch.device("cpu")
+    device = torch.device(f"cuda:{0 if own else local_rank}" if gpus else "cpu")
     if gpus:
         torch.cuda.set_device(device)
     try:
@@ -90,12 +91,8 @@ def setup_distributed(timeout_s: float = 600) -> tuple[int, int, int, torch.devi
 
 def where_it_ran(device: torch.device) -> dict:
     """The device, backend, processes and threads a result was measured with."""
-    return {
-        "device": device.type,
-        "backend": dist.get_backend(),
-        "world_size": dist.get_world_size(),
-        "threads": torch.get_num_threads(),
-    }
+    return {"device": device.type, "backend": dist.get_backend(),
+            "world_size": dist.get_world_size(), "threads": torch.get_num_threads()}  # fmt: skip
 
 
 # ---- end of set-up
@@ -231,6 +228,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.error = fail  # a bad flag too: one sentence, without the usage lines
     add = parser.add_argument
     add("--collectives", nargs="+", choices=KINDS, default=list(KINDS))
     add("--groups", type=int, nargs="+", help="group sizes n (default: 2 and all)")
