@@ -50,6 +50,11 @@ EXAMPLES = {
         "[rank 0] step 50/200",
     ),
     "trailing-spaces": ("done   \nnext", "done\nnext", "a  b\n"),
+    "replica-norms": (
+        "0.weight has norm 3.773106 on rank 0,",
+        "0.weight has norm <norm> on rank 0,",
+        "the replicas differ after step 11 on rank 0",
+    ),
     "peak-memory": (
         "peak resident set since the process started 931 MiB",
         "peak resident set since the process started <memory>",
