@@ -275,3 +275,12 @@ def test_binder_post_build_repeats_the_makefile_set_up():
     makefile = (ROOT / "Makefile").read_text()
     assert len(steps) == 2
     assert all(f"$(BIN)/{step}\n" in makefile for step in steps)
+
+
+def test_every_bibliography_entry_parses():
+    """A merge that drops an entry's closing brace breaks the book build."""
+    from pybtex.database import parse_file
+
+    bib = ROOT / "book" / "references.bib"
+    starts = re.findall(r"^@\w+\{([^,]+),", bib.read_text(), re.M)
+    assert sorted(parse_file(str(bib)).entries) == sorted(starts)
