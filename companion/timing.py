@@ -13,7 +13,7 @@ import math
 import statistics
 import time
 import timeit
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -226,17 +226,22 @@ def benchmark_interleaved(
     warmup: int = 2,
     repeats: int = 7,
     min_run_time: float = 0.2,
-    num_threads: int | None = None,
+    num_threads: int | Mapping[str, int] | None = None,
 ) -> dict[str, Timing]:
     """Time several functions as ``benchmark`` does, taking turns block by block.
 
     Every function gets its warm-up and about ``min_run_time`` seconds, but
     block r of each is timed before block r + 1 of any. A machine that slows
     down for a while (a busy neighbour on a shared host) then slows every
-    function alike, and comparisons between them stay fair. Returns one
-    ``Timing`` per key, labelled with the key.
+    function alike, and comparisons between them stay fair. ``num_threads`` is
+    one intra-op thread count for all, or one per key (a missing key gets the
+    current setting). Returns one ``Timing`` per key, labelled with the key.
     """
-    threads = num_threads or torch.get_num_threads()
+    current = torch.get_num_threads()
+    if isinstance(num_threads, Mapping):
+        threads = {name: num_threads.get(name, current) for name in fns}
+    else:
+        threads = dict.fromkeys(fns, num_threads or current)
     blocks = {
         name: _timed_blocks(
             fn,
@@ -245,7 +250,7 @@ def benchmark_interleaved(
             warmup=warmup,
             repeats=repeats,
             min_run_time=min_run_time,
-            threads=threads,
+            threads=threads[name],
         )
         for name, fn in fns.items()
     }
@@ -254,7 +259,7 @@ def benchmark_interleaved(
         for name, block in blocks.items():
             times[name].append(block())
     return {
-        name: Timing.from_samples(name, samples, threads=threads)
+        name: Timing.from_samples(name, samples, threads=threads[name])
         for name, samples in times.items()
     }
 

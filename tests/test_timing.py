@@ -409,3 +409,17 @@ def test_benchmark_interleaved_defaults_and_a_single_block(fake_timer):
     fake_timer += [1e-3] * 2
     one = timing.benchmark_interleaved({"a": lambda: None}, repeats=1)["a"]
     assert one.runs == 1
+
+
+def test_benchmark_interleaved_sets_each_functions_own_threads(fake_timer):
+    fake_timer += [1e-3] * 4
+    before = torch.get_num_threads()
+    result = timing.benchmark_interleaved(
+        {"one": lambda: None, "two": lambda: None, "rest": lambda: None},
+        repeats=3,
+        num_threads={"one": 1, "two": before + 1},
+    )
+    one, two, rest = FakeTimer.instances
+    assert (one.threads, two.threads, rest.threads) == ({1}, {before + 1}, {before})
+    assert [t.threads for t in result.values()] == [1, before + 1, before]
+    assert torch.get_num_threads() == before
