@@ -5,7 +5,8 @@
   parameters of 1 process on the same global batch (float64, 1e-12), and one
   process on the simulated GPU path (nccl, cuda) too;
 - checkpoints: atomic, pruned by step, refused when the settings changed, and
-  a run that resumes ends bit for bit where an uninterrupted one ends;
+  a run that resumes ends bit for bit where an uninterrupted one ends (slow:
+  chapter 09 resumes and compares in every nbval run);
 - fault tolerance (slow): a worker killed mid-training under ``torchrun
   --max-restarts=1`` is restarted and the run ends exactly where an
   uninterrupted run ends;
@@ -335,6 +336,7 @@ def test_the_gpu_path_trains_and_resumes_on_a_simulated_gpu(one_process, tmp_pat
 # ---------------------------------------------------------------- resuming
 
 
+@pytest.mark.slow  # chapter 09 resumes and compares in every nbval run
 def test_a_resumed_run_ends_bit_for_bit_where_a_straight_one_ends(
     one_process, tmp_path
 ):

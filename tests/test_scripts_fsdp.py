@@ -23,9 +23,9 @@ script and of ``companion/checks/fsdp_memory.py``:
   the same tensors as the sharded checkpoint; a missing or broken checkpoint
   is one sentence and exit code 2.
 
-``make test`` launches the check on 2 processes (it saves a checkpoint) and
-the script alone with plain python (it resumes from that checkpoint); bad
-input is refused in this process. Every further launch is marked slow.
+``make test`` launches nothing: bad input is refused in this process, and
+chapter 12 runs the check on 2 and 4 processes in every nbval run. Every
+launch here is marked slow.
 """
 
 from __future__ import annotations
@@ -336,6 +336,7 @@ def test_a_missing_checkpoint_is_one_sentence(
     assert err == f"{NAME}: error: {expected}\n"
 
 
+@pytest.mark.slow  # its fixture trains 2 processes (20 s); the other refusals stay fast
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # @record, here
 def test_a_checkpoints_sizes_cannot_change(two, monkeypatch, capsys) -> None:
     _, ckpt = two
