@@ -44,8 +44,12 @@ __all__ = [
 # fp32 FLOPs per core per clock cycle for PyTorch's CPU capability levels,
 # assuming two fused multiply-add (FMA) units per core: 2 units x lanes x 2
 # FLOPs (a multiply and an add). AVX-512: 16 fp32 lanes; AVX2: 8. Some
-# AVX-512 CPUs have only one 512-bit FMA unit, and then the true peak is half.
+# AVX-512 CPUs have only one 512-bit FMA unit, and then the true peak is half:
+# AMD's Zen 4 (family 0x19) runs each 512-bit FMA in two 256-bit halves, and
+# ``estimate_cpu_peak`` counts 32 there; some Xeon Silver and Bronze parts have
+# one 512-bit unit, which /proc/cpuinfo does not say.
 FP32_FLOPS_PER_CYCLE = {"AVX512": 64, "AVX2": 32}
+_ZEN4 = ("AuthenticAMD", 0x19)  # vendor_id and cpu family: Zen 3 and Zen 4
 
 # CPU flags (as /proc/cpuinfo names them) of instructions that multiply
 # bfloat16 matrices natively: Intel's AMX tiles and AVX-512 BF16 dot products
@@ -151,6 +155,28 @@ def _physical_cores() -> int:
     return min(cpu_count(), physical) if physical else cpu_count()
 
 
+def _halves_512_bit_fma(cpuinfo: str | Path = _CPUINFO) -> bool:
+    """Whether this CPU is an AMD Zen 4, whose AVX-512 FMAs take two 256-bit passes.
+
+    Zen 3 shares Zen 4's family number but has no AVX-512, so the caller asks
+    only when the ISA is AVX-512.
+    """
+    fields: dict[str, str] = {}
+    try:
+        with open(cpuinfo, encoding="utf-8") as f:
+            for line in f:
+                if not line.strip():
+                    break  # the first processor's block is enough
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+    except OSError:
+        return False
+    return (fields.get("vendor_id"), fields.get("cpu family")) == (
+        _ZEN4[0],
+        str(_ZEN4[1]),
+    )
+
+
 @dataclass(frozen=True)
 class PeakEstimate:
     """The CPU's fp32 peak as cores x clock x FLOPs per cycle, or why it is unknown."""
@@ -160,6 +186,7 @@ class PeakEstimate:
     flops_per_cycle: int | None
     isa: str  # PyTorch's CPU capability, e.g. "AVX512"
     clock_source: str  # where the clock came from, or why it is unknown
+    fma_units: str = "two FMA units assumed"  # what flops_per_cycle assumes
 
     @property
     def gflops(self) -> float | None:
@@ -176,13 +203,17 @@ class PeakEstimate:
         return (
             f"{self.gflops:.0f} GFLOP/s = {self.cores} cores x {self.clock_ghz:.2f} "
             "GHz x "
-            f"{self.flops_per_cycle} FLOP/cycle ({self.isa}, two FMA units assumed; "
+            f"{self.flops_per_cycle} FLOP/cycle ({self.isa}, {self.fma_units}; "
             f"{self.clock_source})"
         )
 
 
 def estimate_cpu_peak(
-    *, cores: int | None = None, clock_ghz: float | None = None, isa: str | None = None
+    *,
+    cores: int | None = None,
+    clock_ghz: float | None = None,
+    isa: str | None = None,
+    cpuinfo: str | Path = _CPUINFO,
 ) -> PeakEstimate:
     """Estimate the CPU's fp32 peak; arguments override what is detected.
 
@@ -190,6 +221,8 @@ def estimate_cpu_peak(
         cores: physical cores (default: those this process may use).
         clock_ghz: clock in GHz (default: ``read_cpu_clock()``).
         isa: PyTorch's CPU capability (default: ``torch.backends.cpu.get_cpu_capability()``).
+        cpuinfo: where the CPU's vendor and family are read (an AMD Zen 4
+            runs AVX-512 at half the FLOPs per cycle of two 512-bit units).
     """
     if cores is not None and cores < 1:
         raise ValueError(f"A CPU has at least one core, not {cores}.")
@@ -199,12 +232,16 @@ def estimate_cpu_peak(
     if clock_ghz is None:
         clock_ghz, source = read_cpu_clock()
     isa = isa or torch.backends.cpu.get_cpu_capability()
+    flops, units = FP32_FLOPS_PER_CYCLE.get(isa), "two FMA units assumed"
+    if isa == "AVX512" and _halves_512_bit_fma(cpuinfo):
+        flops, units = 32, "AMD Zen 4: 512-bit FMAs in two 256-bit halves"
     return PeakEstimate(
         cores=cores or _physical_cores(),
         clock_ghz=clock_ghz,
-        flops_per_cycle=FP32_FLOPS_PER_CYCLE.get(isa),
+        flops_per_cycle=flops,
         isa=isa,
         clock_source=source,
+        fma_units=units,
     )
 
 

@@ -11,12 +11,13 @@ import torch
 from companion import hardware
 from companion.devices import cpu_count
 from companion.hardware import (
+    FP32_FLOPS_PER_CYCLE,
     UNKNOWN,
+    MachineLimits,
+    PeakEstimate,
     bf16_matmul_support,
     bf16_matmul_units,
     cpu_flags,
-    MachineLimits,
-    PeakEstimate,
     estimate_cpu_peak,
     measure_bandwidth,
     measure_limits,
@@ -94,13 +95,37 @@ def test_cpu_flags_and_bf16_support(tmp_path):
     assert bf16_matmul_support(tmp_path / "none") == UNKNOWN
 
 
-def test_estimate_cpu_peak_arithmetic():
-    peak = estimate_cpu_peak(cores=2, clock_ghz=2.5, isa="AVX512")
+def test_estimate_cpu_peak_arithmetic(tmp_path):
+    intel = tmp_path / "cpuinfo"
+    intel.write_text("vendor_id\t: GenuineIntel\ncpu family\t: 6\n")
+    peak = estimate_cpu_peak(cores=2, clock_ghz=2.5, isa="AVX512", cpuinfo=intel)
     assert peak.gflops == pytest.approx(2 * 2.5 * 64)
     assert "320 GFLOP/s = 2 cores x 2.50 GHz x 64 FLOP/cycle (AVX512" in str(peak)
     assert estimate_cpu_peak(
         cores=4, clock_ghz=3.0, isa="AVX2"
     ).gflops == pytest.approx(384)
+
+
+@pytest.mark.parametrize(
+    "vendor, family, isa, flops",
+    [
+        ("AuthenticAMD", 25, "AVX512", 32),  # Zen 4: two 256-bit halves
+        ("AuthenticAMD", 26, "AVX512", 64),  # Zen 5: full 512-bit units
+        ("GenuineIntel", 6, "AVX512", 64),
+        ("AuthenticAMD", 25, "AVX2", 32),  # Zen 3
+    ],
+)
+def test_estimate_cpu_peak_halves_avx512_on_zen4(tmp_path, vendor, family, isa, flops):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(
+        f"processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: {family}\n\n"
+        "processor\t: 1\nvendor_id\t: GenuineIntel\ncpu family\t: 6\n"
+    )
+    peak = estimate_cpu_peak(cores=1, clock_ghz=1.0, isa=isa, cpuinfo=cpuinfo)
+    assert peak.flops_per_cycle == flops
+    assert ("Zen 4" in str(peak)) == (flops == 32 and isa == "AVX512")
+    missing = estimate_cpu_peak(cores=1, clock_ghz=1.0, isa=isa, cpuinfo=tmp_path / "x")
+    assert missing.flops_per_cycle == FP32_FLOPS_PER_CYCLE[isa]
 
 
 def test_estimate_cpu_peak_says_when_unknown():

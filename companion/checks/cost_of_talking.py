@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from companion.checking import DeviceClock
 from companion.comm_costs import exposed_communication
 from companion.gpt import GPT, GPTConfig, lm_loss
 from companion.scripts import collective_bench
@@ -112,35 +113,16 @@ def batch(args: argparse.Namespace, rank: int, device: torch.device, step: int =
     return x[:, :-1].to(device), x[:, 1:].to(device)
 
 
-class Clock:
-    """Time stamps on the GPU's own clock when there is one, else the host's."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def stamp(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def seconds(self, start, end) -> float:
-        if self.cuda:
-            return start.elapsed_time(end) / 1e3  # after a synchronize
-        return end - start
-
-
 def backward_profile(model: GPT, x, y, rounds: int, device) -> dict:
     """Forward and backward times, and when each gradient is ready (medians)."""
-    clock = Clock(device)
+    clock = DeviceClock(device)
     params = list(model.parameters())
     stamps: dict[int, object] = {}
     order: list[int] = []
 
     def ready(i: int) -> Callable[[torch.Tensor], None]:
         def hook(_: torch.Tensor) -> None:
-            stamps[i] = clock.stamp()
+            stamps[i] = clock.mark()
             order.append(i)
 
         return hook
@@ -154,11 +136,11 @@ def backward_profile(model: GPT, x, y, rounds: int, device) -> dict:
         stamps.clear()
         order.clear()
         sync(device)
-        t0 = clock.stamp()
+        t0 = clock.mark()
         loss = lm_loss(model(x), y)
-        t1 = clock.stamp()
+        t1 = clock.mark()
         loss.backward()
-        t2 = clock.stamp()
+        t2 = clock.mark()
         sync(device)
         forward.append(clock.seconds(t0, t1))
         backward.append(clock.seconds(t1, t2))
