@@ -51,6 +51,29 @@ def _nbytes(value: Any) -> int:
     return 0
 
 
+def _tracker_hooking_each_module_once() -> Any:
+    """``CommDebugMode``'s module tracker with torch 2.11's fix, for torch 2.10.
+
+    Torch 2.10's tracker hooks a module's end of forward again at every call
+    without removing the previous hook, so a module run twice under one mode
+    (two micro-batches in one step) pops its list of parents twice and raises
+    an IndexError. Later releases remove the previous hook first; so does this.
+    """
+    from torch.distributed.tensor.debug._comm_mode import _CommModeModuleTracker
+
+    class Tracker(_CommModeModuleTracker):
+        def _fw_pre_hook(self, mod: nn.Module, input: Any) -> None:
+            if not self.is_bw:
+                stale = self.register_forward_hook_handles.pop(
+                    self._get_mod_name(mod), None
+                )
+                if stale is not None:
+                    stale.remove()
+            super()._fw_pre_hook(mod, input)
+
+    return Tracker()
+
+
 def add_counts(*counts: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
     """Add up counts of the form ``{kind: {"calls", "input_bytes", "output_bytes"}}``."""
     total: dict[str, dict[str, int]] = {}
@@ -78,6 +101,8 @@ class CollectiveCounter(CommDebugMode):
 
     def __init__(self) -> None:
         super().__init__()
+        if torch.__version__ < (2, 11):  # a TorchVersion compares with tuples
+            self.advanced_module_tracker = _tracker_hooking_each_module_once()
         self.phase = PHASES[0]
         self.counts: dict[str, dict[str, dict[str, int]]] = {p: {} for p in PHASES}
         self._handles: list[Any] = []

@@ -118,3 +118,15 @@ def test_counts_add_up() -> None:
         "all-gather": {"calls": 1, "input_bytes": 2, "output_bytes": 4},
     }
     assert add_counts() == {}
+
+
+def test_a_model_run_twice_in_one_block_is_counted_twice() -> None:
+    """Two micro-batches under one counter: torch 2.10's own module tracker
+    raised an IndexError at the second forward pass (the counter fixes it)."""
+    model = Model()
+    with CollectiveCounter().follow(model) as counter:
+        for _ in range(2):
+            model(torch.randn(5, 4, requires_grad=True)).sum().backward()
+    assert counter.total() == {
+        "all-reduce": {"calls": 4, "input_bytes": 280, "output_bytes": 280}
+    }
