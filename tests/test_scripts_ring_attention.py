@@ -170,7 +170,11 @@ def test_the_chapters_check_on_two_processes():
 
 @pytest.mark.slow
 def test_torch_context_parallel_needs_cuda_kernels(alone):
-    """What chapter 14 says: on a CPU torch's context_parallel raises (2.10 to 2.14)."""
+    """What chapter 14 says: on a CPU torch's context_parallel raises (2.10 to 2.14);
+    and SDPA works again afterwards (torch 2.10 left its own version in place)."""
     q, k, v = (torch.randn(1, 2, 8, 4) for _ in "qkv")
+    sdpa = F.scaled_dot_product_attention
     with pytest.raises(NotImplementedError, match="flash_attention_for_cpu"):
         ra.torch_context_parallel(q, k, v, torch.device("cpu"))
+    assert F.scaled_dot_product_attention is sdpa
+    assert sdpa(q, k, v, is_causal=True).shape == q.shape

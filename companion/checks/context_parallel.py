@@ -441,9 +441,6 @@ def run(args: argparse.Namespace, device) -> tuple[dict | None, str]:
     ]
     results = [check_case(case, data, rank, world_size) for case in cases]
     record = {"cases": results, "training": training(args, rank, world_size, device)}
-    # Before torch's context_parallel: torch 2.10 leaves its SDPA dispatcher
-    # installed after a failed try, and plain tensors' SDPA then raises.
-    unsplit = unsplit_saved_bytes(data) if rank == 0 else {}
     torch_cp = torch_context_parallel(data, device)  # on every rank
     everyone = every_rank(record)
     out, failure = None, ""
@@ -453,7 +450,7 @@ def run(args: argparse.Namespace, device) -> tuple[dict | None, str]:
             "world_size": world_size,
             "shape": [args.batch, args.heads, args.seq_len, args.head_dim],
             "cases": cases,
-            "unsplit_saved_bytes": unsplit,
+            "unsplit_saved_bytes": unsplit_saved_bytes(data),
             "torch_context_parallel": torch_cp,
         }
         out, failure = judge(setting, everyone, tolerance("float64", args.tolerance))

@@ -408,18 +408,26 @@ def torch_context_parallel(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
     from torch.distributed.tensor.experimental._attention import (
+        _disable_context_parallel_dispatcher,
         context_parallel_unshard,
         set_rotate_method,
     )
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     q, k, v = (t.detach().clone() for t in (q, k, v))  # sharded in place
+    sdpa = F.scaled_dot_product_attention
     set_rotate_method(rotate)  # a global setting: put the default back after
     try:
         with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     finally:
         set_rotate_method("allgather")
+        if F.scaled_dot_product_attention is not sdpa:
+            # torch 2.10's context_parallel leaves its SDPA and DTensor rules
+            # in place when the block raises (later releases restore them in a
+            # finally): every later SDPA call of this process would fail.
+            F.scaled_dot_product_attention = sdpa
+            _disable_context_parallel_dispatcher()
     return context_parallel_unshard(mesh, [out], [2])[0]  # the whole output
 
 
