@@ -6,7 +6,8 @@ right rank and the right collective or cause:
 
 - mismatched collectives: ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (shape, order,
   a rank-0-only collective, a missing rank) and the Flight Recorder's dumps,
-  on by default and off with ``TORCH_FR_BUFFER_SIZE=0``;
+  on by default from torch 2.11 (the script sets 2,000 under 2.10, whose
+  default is 0) and off with ``TORCH_FR_BUFFER_SIZE=0``;
 - a skipped collective: ``monitored_barrier`` names the rank with more data;
   the three fixes (sampler, join, equal steps) finish, and with ``join()``
   the replicas part in the next epoch (momentum);
@@ -194,8 +195,10 @@ def test_torchs_analyser_fails_on_gloo_dumps_as_the_chapter_says(tmp_path):
 
 @pytest.mark.slow
 def test_the_flight_recorder_is_on_by_default_and_off_with_zero(tmp_path, monkeypatch):
-    """Chapter 15: no variable switches it on (2,000 entries by default since
-    pytorch/pytorch#142260; TORCH_NCCL_TRACE_BUFFER_SIZE defaulted to 0 before)."""
+    """Chapter 15: since torch 2.11 no variable switches it on (2,000 entries by
+    default, pytorch/pytorch#172843); this torch's own default, as failures.py
+    sets TORCH_FR_BUFFER_SIZE only under an older torch."""
+    assert torch.__version__ >= (2, 11), "this test is about torch's own default"
     for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
         monkeypatch.delenv(name, raising=False)  # the default, whatever CI sets
     args = ["--fail", "order", "--timeout", "2", "--flight-recorder"]
@@ -204,6 +207,42 @@ def test_the_flight_recorder_is_on_by_default_and_off_with_zero(tmp_path, monkey
     on, off = (read_flight_records(tmp_path / n) for n in ("default", "off"))
     assert all(len(entries) > 10 for entries in on.values()) and len(on) == 2
     assert off == {0: [], 1: []}
+
+
+FR_ENTRIES = """
+import pickle, torch, torch.distributed as dist
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+dist.all_reduce(torch.ones(1))
+dump = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
+print(torch.__version__, len(dump.get("entries", [])))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("python", PYTHONS)
+def test_the_flight_recorder_records_by_default_only_from_torch_2_11(python):
+    """Chapter 15: torch 2.10's Flight Recorder defaults to 0 entries (off), which
+    is why failures.py sets TORCH_FR_BUFFER_SIZE=2000 under it; 2.11 and later
+    record by default. If the oldest torch moves to 2.11, the setdefault and its
+    sentences can go."""
+    env = clean_environment()
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        env.pop(name, None)
+    counts = {}
+    for size in (None, "2000"):
+        extra = {} if size is None else {"TORCH_FR_BUFFER_SIZE": size}
+        out = subprocess.run(
+            [python, "-c", FR_ENTRIES],
+            env={**env, **extra},
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        ).stdout.split()
+        version, counts[size] = torch.torch_version.TorchVersion(out[-2]), int(out[-1])
+    assert counts["2000"] == 1  # one all_reduce, recorded when a size is given
+    assert counts[None] == (1 if version >= (2, 11) else 0)
 
 
 @pytest.mark.slow

@@ -19,8 +19,9 @@ epoch's end, ``--stall-dump`` prints every rank's stack when a step stalls
 (``kill -USR1 PID``: one rank's, at any time), ``--debug-socket DIR`` answers
 requests for stacks and Flight Recorder entries on a Unix socket per rank,
 ``--flight-recorder DIR`` dumps each rank's last collectives on an error (the
-Flight Recorder keeps the last 2,000 by default; ``TORCH_FR_BUFFER_SIZE``
-changes that, 0 turns it off). ``--checkpoint-dir`` keeps sharded (DCP)
+Flight Recorder keeps the last 2,000 by default since torch 2.11, and nothing
+before: under torch 2.10 the script sets ``TORCH_FR_BUFFER_SIZE=2000`` itself;
+``TORCH_FR_BUFFER_SIZE`` changes the size, 0 turns it off). ``--checkpoint-dir`` keeps sharded (DCP)
 checkpoints; a run resumes from the newest on any number of processes, with
 the same global batches.
 
@@ -519,6 +520,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if hasattr(signal, "SIGUSR1"):  # kill -USR1 PID: print every thread's stack
         faulthandler.register(signal.SIGUSR1, all_threads=True)
+    sized = "TORCH_NCCL_TRACE_BUFFER_SIZE" in os.environ  # the older name, kept
+    if args.flight_recorder and torch.__version__ < (2, 11) and not sized:
+        # torch < 2.11 records nothing by default (2,000 since pytorch#172843)
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # before the group
     rank, _, _, device = setup_distributed(args.timeout)
     server = start_worker_server(args.debug_socket) if args.debug_socket else None
     try:
