@@ -21,9 +21,9 @@ requests for stacks and Flight Recorder entries on a Unix socket per rank,
 ``--flight-recorder DIR`` dumps each rank's last collectives on an error (the
 Flight Recorder keeps the last 2,000 by default since torch 2.11, and nothing
 before: under torch 2.10 the script sets ``TORCH_FR_BUFFER_SIZE=2000`` itself;
-``TORCH_FR_BUFFER_SIZE`` changes the size, 0 turns it off). ``--checkpoint-dir`` keeps sharded (DCP)
-checkpoints; a run resumes from the newest on any number of processes, with
-the same global batches.
+``TORCH_FR_BUFFER_SIZE`` changes the size, 0 turns it off). ``--checkpoint-dir``
+keeps sharded (DCP) checkpoints; a run resumes from the newest on any number of
+processes, with the same global batches.
 
 Exit codes: 0 done; 1 crashed (where each bug ends, when it does not hang);
 2 a bad launch or input, said in one sentence.
