@@ -177,14 +177,16 @@ def test_order_times_out_and_the_flight_recorder_names_the_collectives(
 
 
 @pytest.mark.slow
-def test_torchs_analyser_fails_on_gloo_dumps_as_the_chapter_says(tmp_path):
+@pytest.mark.parametrize("python", PYTHONS)
+def test_torchs_analyser_fails_on_gloo_dumps_as_the_chapter_says(python, tmp_path):
     """Chapter 15 says fr_trace stops with a KeyError on gloo's dumps: if a
     release fixes that, this test fails, and the text should change."""
     folder = tmp_path / "fr"
     args = ["--fail", "order", "--timeout", "2", "--flight-recorder", folder]
-    run_ranks(SCRIPT, args)
+    run_ranks(SCRIPT, args, python=python)
+    assert read_flight_records(folder)[0]  # a dump with entries, on either torch
     analyse = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", folder],
+        [python, "-m", "torch.distributed.flight_recorder.fr_trace", folder],
         capture_output=True,
         text=True,
         timeout=120,
@@ -257,7 +259,8 @@ def test_detail_names_a_missing_rank_with_its_barrier():
 
 
 @pytest.mark.slow
-def test_ddp_under_detail_on_gloo_still_crashes(tmp_path):
+@pytest.mark.parametrize("python", PYTHONS)
+def test_ddp_under_detail_on_gloo_still_crashes(python, tmp_path):
     """Chapter 15 says DDP's constructor segfaults on gloo under DETAIL (2.10,
     2.14.1), which is why the script refuses it: if a release fixes that, this
     test fails, and the text and the refusal should change."""
@@ -269,8 +272,9 @@ def test_ddp_under_detail_on_gloo_still_crashes(tmp_path):
         "DDP(torch.nn.Linear(2, 2))\n"
         "dist.destroy_process_group()\n"
     )
-    assert run_ranks(script, env=DETAIL).returncodes == [-signal.SIGSEGV] * 2
-    assert run_ranks(script).returncodes == [0, 0]
+    crashed = run_ranks(script, env=DETAIL, python=python)
+    assert crashed.returncodes == [-signal.SIGSEGV] * 2
+    assert run_ranks(script, python=python).returncodes == [0, 0]
 
 
 @pytest.mark.slow
@@ -351,6 +355,17 @@ def test_join_keeps_the_parameters_equal_but_not_the_momentum():
         SCRIPT, [*args, "--timeout", "10", "--momentum", "0"], timeout=180
     )
     assert stateless.returncodes == [0, 0]  # no optimizer state: no drift
+
+
+@pytest.mark.slow
+def test_join_with_the_optimizers_state_broadcast_keeps_the_replicas_equal():
+    """--fix join-state: join() and then the optimizer's state from the rank
+    join() took the parameters from; with momentum 0.9 the replica check, at
+    the same steps as above, never fires and the run ends."""
+    args = ["--fail", "uneven", "--fix", "join-state", "--check-every", "4"]
+    run = run_ranks(SCRIPT, [*args, "--timeout", "10"], timeout=180)
+    assert run.returncodes == [0, 0] and find_drift(run.text) is None
+    assert "epoch 3/3" in run.outputs[0]
 
 
 # ---- a dead or stuck rank
@@ -536,7 +551,10 @@ def test_restarts_without_a_separate_store_can_fail():
         restarted = (
             "after restart 1" in run.text and root and "ValueError" in root.error
         )
-        if run.timed_out or not restarted:
+        if "connectFullMesh" in run.text:  # the failure the chapter names
+            return
+        assert restarted or run.timed_out, run.text[-3000:]  # no other failure
+        if run.timed_out and "after restart 1" in run.text:  # a hang after restart
             return
     pytest.fail("six restarts without a separate store all worked")
 
@@ -657,7 +675,8 @@ def test_torchs_nan_check_stops_the_nan_at_the_all_reduce():
         SCRIPT, ["--fail", "nan", "--timeout", "10"], env={"TORCH_DIST_NAN_CHECK": "1"}
     )
     assert run.returncodes[1] == 1 and not run.timed_out
-    assert "NaN" in run.outputs[1] and "loss.backward()" in run.outputs[1]
+    assert "NaN found in input tensor" in run.outputs[1]  # the words chapter 15 quotes
+    assert "loss.backward()" in run.outputs[1]
     assert "epoch 2/3" not in run.outputs[0]  # stopped in the second epoch
 
 
