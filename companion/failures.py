@@ -630,14 +630,18 @@ def stacks_on_demand(
     deadline = time.monotonic() + timeout
     sockets: dict[int, Path] = {}
     stacks: dict[int, str] = {}
+    answered = False  # once the ranks have answered, silence means they are gone
     while time.monotonic() < deadline:
         sockets = {
             int(p.stem.removeprefix("rank")): p for p in Path(folder).glob("rank*.sock")
         }
         try:
             stacks = {r: ask_worker(sockets[r], "dump_traceback") for r in wait_for}
+            answered = True
         except (OSError, KeyError):  # not listening yet, or gone
             stacks = {}
+            if answered:  # the run ended before the records disagreed
+                break
         if stacks and all(f" in {wait_for[r]}" in stacks[r] for r in wait_for):
             try:
                 records = {
@@ -669,12 +673,18 @@ def compare_flight_records(
 
     Ranks disagree when they issued different operations or shapes under the
     same sequence number, or when some ranks issued a collective that others
-    never did (they were somewhere else: stuck, dead, or done).
+    never did (they were somewhere else: stuck, dead, or done). Each rank's
+    ring buffer keeps only its last entries, so once it has wrapped the ranks'
+    windows start at different numbers: the comparison starts at the latest
+    of the ranks' first numbers, which every non-empty record still holds.
     """
     by_seq = {
         rank: {c.sequence: c for c in entries} for rank, entries in records.items()
     }
-    sequences = sorted(set().union(*(s.keys() for s in by_seq.values())))
+    kept = [min(s) for s in by_seq.values() if s]
+    first = max(kept, default=0)
+    union = set().union(*(s.keys() for s in by_seq.values()))
+    sequences = sorted(q for q in union if q >= first)
     for seq in sequences:
         present = [by_seq[r][seq] for r in sorted(by_seq) if seq in by_seq[r]]
         missing = tuple(r for r in sorted(by_seq) if seq not in by_seq[r])

@@ -356,6 +356,19 @@ def test_flight_records_name_a_missing_rank_and_skip_other_groups(tmp_path):
     assert compare_flight_records(read_flight_records(tmp_path)) is None
 
 
+def test_flight_records_after_the_ring_buffers_wrapped():
+    """Buffers that keep the last entries start at different numbers (here #5
+    and #9, as after a wrap): the comparison starts where both have entries,
+    so the rank whose window starts later is not called missing."""
+    ahead = [Collective(0, "all_reduce", (4,), sequence=q) for q in range(9, 14)]
+    stuck = [Collective(1, "all_reduce", (4,), sequence=q) for q in range(5, 13)]
+    parted = compare_flight_records({0: ahead, 1: stuck})
+    assert parted.missing == (1,) and parted.collectives[0].sequence == 13
+    assert compare_flight_records({0: ahead[:-1], 1: stuck}) is None
+    assert compare_flight_records({0: ahead, 1: []}).missing == (1,)  # off there
+    assert compare_flight_records({0: [], 1: []}) is None
+
+
 def test_drift_messages_of_the_scripts_checks():
     replicas = (
         "RuntimeError: the replicas differ after step 4: head.weight has norm 1.242308 "

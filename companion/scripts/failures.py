@@ -7,22 +7,24 @@
     srun --ntasks=2 python failures.py --fail nan --watch
 
 ``--fail`` picks the bug (chapter 15): ``shape``, ``order``, ``rank0-only``
-(collectives that differ between ranks); ``uneven`` (one rank has fewer
-batches; ``--fix sampler``, ``join`` or ``steps`` cures it); ``crash``,
-``kill``, ``stuck``, ``oom`` (the last rank raises, dies, hangs or runs out of
-memory at ``--fail-step``); ``unseen-param`` (silent drift), ``sampler-seed``,
-``no-set-epoch`` (silent data bugs), which ``--check-every`` catches; ``nan``
-(a corrupt sample at ``--fail-step``) and ``slow`` (the last rank slower at
-every step), which ``--watch`` catches (and losses that spike). The tools: ``--timeout``
-bounds every collective, ``--barrier-timeout`` names the ranks that miss an
-epoch's end, ``--stall-dump`` prints every rank's stack when a step stalls
-(``kill -USR1 PID``: one rank's, at any time), ``--debug-socket DIR`` answers
-requests for stacks and Flight Recorder entries on a Unix socket per rank,
-``--flight-recorder DIR`` dumps each rank's last collectives on an error (the
-Flight Recorder keeps the last 2,000 by default; ``TORCH_FR_BUFFER_SIZE``
-changes that, 0 turns it off). ``--checkpoint-dir`` keeps sharded (DCP)
-checkpoints; a run resumes from the newest on any number of processes, with
-the same global batches.
+(collectives that differ between ranks); ``uneven`` (one rank has fewer batches;
+``--fix sampler``, ``join``, ``join-state`` (join() and the optimizer's state)
+or ``steps`` cures it); ``crash``, ``kill``, ``stuck``, ``oom`` (the last rank
+raises, dies, hangs or runs out of memory at ``--fail-step``); ``unseen-param``
+(silent drift), ``sampler-seed``, ``no-set-epoch`` (silent data bugs), which
+``--check-every`` catches; ``nan`` (a corrupt sample at ``--fail-step``) and
+``slow`` (the last rank slower at every step), which ``--watch`` catches (and
+losses that spike). The tools: ``--timeout`` bounds every collective,
+``--barrier-timeout`` names the ranks that miss an epoch's end, ``--stall-dump``
+prints every rank's stack when a step stalls (``kill -USR1 PID``: one rank's, at
+any time), ``--debug-socket DIR`` answers requests for stacks and Flight
+Recorder entries on a Unix socket per rank, ``--flight-recorder DIR`` dumps each
+rank's last collectives on an error (the Flight Recorder keeps the last 2,000 by
+default since torch 2.11, and nothing before: under torch 2.10 the script sets
+``TORCH_FR_BUFFER_SIZE=2000`` itself for these two tools;
+``TORCH_FR_BUFFER_SIZE`` changes the size, 0 turns it off). ``--checkpoint-dir``
+keeps sharded (DCP) checkpoints; a run resumes from the newest on any number of
+processes, with the same global batches.
 
 Exit codes: 0 done; 1 crashed (where each bug ends, when it does not hang);
 2 a bad launch or input, said in one sentence.
@@ -105,6 +107,7 @@ def where_it_ran(device: torch.device) -> dict:
 FAILURES = ("shape", "order", "rank0-only", "uneven", "crash", "kill", "stuck")
 FAILURES += ("oom", "unseen-param", "sampler-seed", "no-set-epoch")
 FAILURES += ("nan", "slow")
+FIXES = ("sampler", "join", "join-state", "steps")  # join-state: join() + optimizer
 VALIDATION = 101  # samples; each rank scores its own slice (50 and 51 on 2 ranks)
 SPIKE = 10  # --watch stops at a loss above 10 x the median of the recent steps
 START = time.monotonic()
@@ -193,19 +196,22 @@ def check_replicas(model: nn.Module, step: int) -> None:
 
 
 def check_data(order: list[int], previous: list | None, samples: int, device) -> None:
-    """Raise on every rank if the epoch's shards leave samples out, or if the
-    epoch repeats the previous one's order. Call it on every rank, with its
-    shard (the samples a short last micro-batch leaves out are not a bug)."""
+    """Raise on every rank if the epoch's shards leave samples out, or if a
+    rank's shard repeats its previous epoch's order (for a shuffled sampler).
+    Call it on every rank, with its shard (the samples a short last
+    micro-batch leaves out are not a bug)."""
     mine = torch.tensor(order, dtype=torch.long)
-    seen = torch.bincount(mine, minlength=samples).to(device)
-    dist.all_reduce(seen)  # how often each sample occurs, over all ranks
+    repeats = torch.tensor([int(order == previous)])  # 1 if this rank repeats
+    seen = torch.cat([torch.bincount(mine, minlength=samples), repeats]).to(device)
+    dist.all_reduce(seen)  # how often each sample occurs; how many ranks repeat
+    seen, repeated = seen[:-1], int(seen[-1])
     never, twice = int((seen == 0).sum()), int((seen > 1).sum())
     if never:  # padding repeats a few samples, but none may be left out
         raise RuntimeError(
             f"the ranks' shards overlap: {twice} samples twice, {never} never; "
             "do all ranks' samplers use the same seed?"
         )
-    if order == previous:
+    if repeated:  # on every rank, though only some may repeat
         raise RuntimeError("this epoch repeats the last one's order: set_epoch?")
 
 
@@ -238,12 +244,14 @@ def watch(loss: torch.Tensor, start: float, step: int, history: list, model) -> 
     the median of the recent steps' losses, before the gradients' all-reduce
     spreads it. Returns each rank's seconds (a straggler takes the most)."""
     value = loss.item()  # a device sync: the clock below sees the work done
+    seconds = time.perf_counter() - start
     local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
-    finite = all(bool(torch.isfinite(p).all()) for p in local)
-    mine = torch.tensor(
-        [value, time.perf_counter() - start, finite],
-        dtype=torch.float64,
-        device=loss.device,
+    finite = torch.stack([torch.isfinite(p).all() for p in local]).all()  # no sync
+    mine = torch.cat(
+        [
+            torch.tensor([value, seconds], dtype=torch.float64, device=loss.device),
+            finite.double().reshape(1),
+        ]
     )
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
@@ -263,6 +271,21 @@ def watch(loss: torch.Tensor, start: float, step: int, history: list, model) -> 
         )
     history.append(sum(losses) / len(losses))
     return [float(e[1]) for e in every]
+
+
+def sync_optimizer_state(optimizer, steps: int, device: torch.device) -> None:
+    """After ``join()``: copy the optimizer's state to every rank from the rank
+    whose parameters ``join()`` copied (the most steps; the largest rank among
+    ties), which it leaves out. Call it on every rank with its epoch's steps."""
+    world_size = dist.get_world_size()
+    key = torch.tensor([steps * world_size + dist.get_rank()], device=device)
+    dist.all_reduce(key, dist.ReduceOp.MAX)  # the last rank to leave join()
+    src = int(key.item()) % world_size
+    for group in optimizer.param_groups:  # the same order on every rank
+        for param in group["params"]:
+            for _, value in sorted(optimizer.state[param].items()):
+                if torch.is_tensor(value):  # SGD's momentum_buffer
+                    dist.broadcast(value, src)
 
 
 def validate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, args) -> float:
@@ -403,7 +426,7 @@ def train(args: argparse.Namespace, device: torch.device) -> dict:
     seen = torch.full((steps, micro), -1, device=device)  # each step's samples
     step, previous, skip = start, None, start % mine
     watched, busy = [], []  # --watch: recent global losses; seconds per step
-    joined = args.fix == "join"
+    joined = args.fix in ("join", "join-state")
     for epoch in range(start // mine, args.epochs):
         order = epoch_order(samples, epoch, args)
         batches = batches_of(order, micro)
@@ -413,7 +436,7 @@ def train(args: argparse.Namespace, device: torch.device) -> dict:
             check_data(order, previous, samples, device)
             previous = order
         loss_sum, done = 0.0, 0
-        with wrapped.join() if args.fix == "join" else nullcontext():
+        with wrapped.join() if joined else nullcontext():
             for indices in batches[skip:]:
                 began = time.perf_counter()
                 if args.stall_dump:  # every thread's stack, if this step stalls
@@ -438,6 +461,8 @@ def train(args: argparse.Namespace, device: torch.device) -> dict:
                 if args.checkpoint_every and step % args.checkpoint_every == 0:
                     losses = global_losses(local, history, start, step)
                     save_checkpoint(args.checkpoint_dir, step, model, optimizer, losses)
+        if args.fix == "join-state":  # join() broadcast the parameters only
+            sync_optimizer_state(optimizer, len(batches) - skip, device)
         if joined and args.check_every:  # after join()'s broadcast: every rank here
             check_replicas(model, step)
         skip = 0
@@ -484,7 +509,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add = parser.add_argument
     add("--fail", choices=FAILURES, help="the bug to cause (default: none)")
     add("--fail-step", type=int, default=10, help="where a one-off failure strikes")
-    add("--fix", choices=("sampler", "join", "steps"), help="the cure for uneven data")
+    add("--fix", choices=FIXES, help="the cure for uneven data")
     add("--epochs", type=int, default=3, help="passes over the data (default: 3)")
     add("--samples", type=int, default=256, help="training samples (default: 256)")
     add("--global-batch-size", type=int, default=32, help="samples per step")
@@ -506,7 +531,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.checkpoint_every and not args.checkpoint_dir:
         parser.error("--checkpoint-every needs --checkpoint-dir")
-    if args.fix == "join" and (args.shard or args.checkpoint_every or args.watch):
+    joined = args.fix in ("join", "join-state")
+    if joined and (args.shard or args.checkpoint_every or args.watch):
         parser.error(
             "--fix join works with DDP and without --checkpoint-every or --watch (a "
             "rank that has left join() would never join the save or the gather)"
@@ -519,6 +545,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if hasattr(signal, "SIGUSR1"):  # kill -USR1 PID: print every thread's stack
         faulthandler.register(signal.SIGUSR1, all_threads=True)
+    sized = "TORCH_NCCL_TRACE_BUFFER_SIZE" in os.environ  # the older name, kept
+    recorded = args.flight_recorder or args.debug_socket  # both read its entries
+    if recorded and torch.__version__ < (2, 11) and not sized:
+        # torch < 2.11 records nothing by default (2,000 since pytorch#172843)
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # before the group
     rank, _, _, device = setup_distributed(args.timeout)
     server = start_worker_server(args.debug_socket) if args.debug_socket else None
     try:
