@@ -533,7 +533,7 @@ def test_one_rank_out_of_memory_and_its_peer_loses_it():
 
 @pytest.mark.slow
 def test_restarts_without_a_separate_store_can_fail():
-    """Chapter 15 says to set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in 2.14 for
+    """Chapter 15 says to set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (since 2.5) for
     runs that restart (run_torchrun sets it). Without it, the restart fails
     now and then (a Gloo connectFullMesh error, or a hang): this canary tries
     up to 6 times and wants one failure; if every try restarts cleanly, torch

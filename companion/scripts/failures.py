@@ -6,25 +6,20 @@
         failures.py --fail shape --shard
     srun --ntasks=2 python failures.py --fail nan --watch
 
-``--fail`` picks the bug (chapter 15): ``shape``, ``order``, ``rank0-only``
-(collectives that differ between ranks); ``uneven`` (one rank has fewer batches;
-``--fix sampler``, ``join``, ``join-state`` (join() and the optimizer's state)
-or ``steps`` cures it); ``crash``, ``kill``, ``stuck``, ``oom`` (the last rank
-raises, dies, hangs or runs out of memory at ``--fail-step``); ``unseen-param``
-(silent drift), ``sampler-seed``, ``no-set-epoch`` (silent data bugs), which
-``--check-every`` catches; ``nan`` (a corrupt sample at ``--fail-step``) and
-``slow`` (the last rank slower at every step), which ``--watch`` catches (and
-losses that spike). The tools: ``--timeout`` bounds every collective,
-``--barrier-timeout`` names the ranks that miss an epoch's end, ``--stall-dump``
-prints every rank's stack when a step stalls (``kill -USR1 PID``: one rank's, at
-any time), ``--debug-socket DIR`` answers requests for stacks and Flight
-Recorder entries on a Unix socket per rank, ``--flight-recorder DIR`` dumps each
-rank's last collectives on an error (the Flight Recorder keeps the last 2,000 by
-default since torch 2.11, and nothing before: under torch 2.10 the script sets
-``TORCH_FR_BUFFER_SIZE=2000`` itself for these two tools;
-``TORCH_FR_BUFFER_SIZE`` changes the size, 0 turns it off). ``--checkpoint-dir``
-keeps sharded (DCP) checkpoints; a run resumes from the newest on any number of
-processes, with the same global batches.
+``--fail`` picks the bug (chapter 15): ``shape``, ``order``, ``rank0-only`` (collectives
+that differ between ranks); ``uneven`` (one rank has fewer batches; ``--fix sampler``,
+``steps`` or ``join-state`` cures it; ``join`` alone ends the epoch but leaves the
+optimizer's state apart); ``crash``, ``kill``, ``stuck``, ``oom`` (the last rank fails
+at ``--fail-step``); ``unseen-param``, ``sampler-seed``, ``no-set-epoch`` (silent bugs),
+which ``--check-every`` catches; ``nan`` and ``slow`` (the last rank), which ``--watch``
+catches. The tools: ``--timeout`` bounds every collective, ``--barrier-timeout`` names
+the ranks that miss an epoch's end, ``--stall-dump`` prints every rank's stack when a
+step stalls (``kill -USR1 PID``: one rank's), ``--debug-socket DIR`` answers for stacks
+and Flight Recorder entries on a socket per rank, and ``--flight-recorder DIR`` dumps
+each rank's last collectives on an error (``TORCH_FR_BUFFER_SIZE`` entries, 2,000 by
+default since torch 2.11; under 2.10, which records none by default, the script sets it
+for these two tools). ``--checkpoint-dir`` keeps DCP checkpoints; a run resumes from the
+newest on any number of processes, with the same global batches.
 
 Exit codes: 0 done; 1 crashed (where each bug ends, when it does not hang);
 2 a bad launch or input, said in one sentence.
@@ -104,9 +99,8 @@ def where_it_ran(device: torch.device) -> dict:
 
 # ---- end of set-up
 
-FAILURES = ("shape", "order", "rank0-only", "uneven", "crash", "kill", "stuck")
-FAILURES += ("oom", "unseen-param", "sampler-seed", "no-set-epoch")
-FAILURES += ("nan", "slow")
+FAILURES = ("shape", "order", "rank0-only", "uneven", "crash", "kill", "stuck", "oom")
+FAILURES += ("unseen-param", "sampler-seed", "no-set-epoch", "nan", "slow")
 FIXES = ("sampler", "join", "join-state", "steps")  # join-state: join() + optimizer
 VALIDATION = 101  # samples; each rank scores its own slice (50 and 51 on 2 ranks)
 SPIKE = 10  # --watch stops at a loss above 10 x the median of the recent steps
@@ -167,6 +161,7 @@ def parallelize(model: nn.Sequential, args: argparse.Namespace) -> nn.Module:
     return ddp
 
 
+@torch.no_grad()
 def check_replicas(model: nn.Module, step: int) -> None:
     """Raise on every rank if the ranks' parameters differ: a cheap checksum.
 
@@ -177,15 +172,13 @@ def check_replicas(model: nn.Module, step: int) -> None:
     """
     names, params = zip(*model.named_parameters())
     mine = torch.stack(
-        [
-            torch.stack([p.detach().double().norm(), p.detach().double().sum()])
-            for p in params
-        ]
+        [torch.stack([p.double().norm(), p.double().sum()]) for p in params]
     )
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
+    gathered = torch.stack(every).cpu()  # one copy to the host: [rank, param, 2]
     for i, name in enumerate(names):
-        norms, sums = ([float(e[i, j]) for e in every] for j in (0, 1))
+        norms, sums = gathered[:, i, 0].tolist(), gathered[:, i, 1].tolist()
         if max(norms) != min(norms) or max(sums) != min(sums):
             raise RuntimeError(
                 f"the replicas differ after step {step}: {name} has norm "
@@ -229,10 +222,8 @@ def load_batch(x, y, indices: list[int], step: int, args, device) -> tuple:
         if step == args.fail_step and args.fail == "nan":  # a corrupt sample
             xb = xb.clone()
             xb[0] = float("nan")
-        if step == args.fail_step and args.fail == "oom":  # far more than it has:
-            torch.empty(
-                2**60, dtype=torch.uint8, device=device
-            )  # the allocator refuses
+        if step == args.fail_step and args.fail == "oom":  # the allocator refuses:
+            torch.empty(2**60, dtype=torch.uint8, device=device)  # far too much
         while step == args.fail_step and args.fail == "stuck":  # a file never comes
             time.sleep(0.1)
     return xb.to(device), y[indices].to(device)
@@ -255,14 +246,15 @@ def watch(loss: torch.Tensor, start: float, step: int, history: list, model) -> 
     )
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
-    losses = [float(e[0]) for e in every]
+    gathered = torch.stack(every).cpu()  # one copy to the host: [rank, 3]
+    losses = gathered[:, 0].tolist()
     recent = sorted(history[-8:])
     typical = recent[len(recent) // 2] if recent else math.inf
     bad = [
         r for r, v in enumerate(losses) if not math.isfinite(v) or v > SPIKE * typical
     ]
     if bad:
-        weights = "finite" if all(e[2] for e in every) else "not all finite"
+        weights = "finite" if bool(gathered[:, 2].all()) else "not all finite"
         raise RuntimeError(
             f"step {step}: the loss is "
             + ", ".join(f"{losses[r]:.4g} on rank {r}" for r in bad)
@@ -270,13 +262,14 @@ def watch(loss: torch.Tensor, start: float, step: int, history: list, model) -> 
             + f"gradients' all-reduce, every rank's weights still {weights}"
         )
     history.append(sum(losses) / len(losses))
-    return [float(e[1]) for e in every]
+    return gathered[:, 1].tolist()
 
 
 def sync_optimizer_state(optimizer, steps: int, device: torch.device) -> None:
     """After ``join()``: copy the optimizer's state to every rank from the rank
     whose parameters ``join()`` copied (the most steps; the largest rank among
-    ties), which it leaves out. Call it on every rank with its epoch's steps."""
+    ties), which it leaves out. Call it on every rank with its epoch's steps;
+    every rank must hold the same state keys (true after one common step)."""
     world_size = dist.get_world_size()
     key = torch.tensor([steps * world_size + dist.get_rank()], device=device)
     dist.all_reduce(key, dist.ReduceOp.MAX)  # the last rank to leave join()
@@ -284,8 +277,10 @@ def sync_optimizer_state(optimizer, steps: int, device: torch.device) -> None:
     for group in optimizer.param_groups:  # the same order on every rank
         for param in group["params"]:
             for _, value in sorted(optimizer.state[param].items()):
-                if torch.is_tensor(value):  # SGD's momentum_buffer
-                    dist.broadcast(value, src)
+                if torch.is_tensor(value):  # momentum; Adam's moments and step
+                    moved = value.to(device)  # Adam keeps its step on the CPU
+                    dist.broadcast(moved, src)
+                    value.copy_(moved)
 
 
 def validate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, args) -> float:
@@ -411,9 +406,8 @@ def train(args: argparse.Namespace, device: torch.device) -> dict:
     dist.all_reduce(lengths, dist.ReduceOp.MAX)  # the longest and the shortest
     if rank == 0:
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # by torchrun
-        note = (f"; resumed at step {start}" if start else "") + (
-            f" after restart {restart}" if restart != "0" else ""
-        )
+        note = f"; resumed at step {start}" if start else ""
+        note += f" after restart {restart}" if restart != "0" else ""
         batch = f"{args.global_batch_size} = {world_size} x {micro}"
         print(
             f"{world_size} process(es) on {device.type}, batch {batch}{note}",
@@ -452,10 +446,8 @@ def train(args: argparse.Namespace, device: torch.device) -> dict:
                 loss_sum, done, step = loss_sum + loss.item(), done + 1, step + 1
                 # in join(), per-rank steps differ, and a rank that has left would
                 # not come: check by the epoch's steps, before the shortest shard ends
-                due = (
-                    args.check_every
-                    and (done if joined else step) % args.check_every == 0
-                )
+                count = done if joined else step
+                due = args.check_every and count % args.check_every == 0
                 if due and not args.shard and (not joined or done < -int(lengths[1])):
                     check_replicas(model, step)
                 if args.checkpoint_every and step % args.checkpoint_every == 0:
