@@ -49,7 +49,6 @@ __all__ = [
 # ``estimate_cpu_peak`` counts 32 there; some Xeon Silver and Bronze parts have
 # one 512-bit unit, which /proc/cpuinfo does not say.
 FP32_FLOPS_PER_CYCLE = {"AVX512": 64, "AVX2": 32}
-_ZEN4 = ("AuthenticAMD", 0x19)  # vendor_id and cpu family: Zen 3 and Zen 4
 
 # CPU flags (as /proc/cpuinfo names them) of instructions that multiply
 # bfloat16 matrices natively: Intel's AMX tiles and AVX-512 BF16 dot products
@@ -171,10 +170,8 @@ def _halves_512_bit_fma(cpuinfo: str | Path = _CPUINFO) -> bool:
                 fields[key.strip()] = value.strip()
     except OSError:
         return False
-    return (fields.get("vendor_id"), fields.get("cpu family")) == (
-        _ZEN4[0],
-        str(_ZEN4[1]),
-    )
+    # family 25 (0x19): Zen 3 and Zen 4
+    return (fields.get("vendor_id"), fields.get("cpu family")) == ("AuthenticAMD", "25")
 
 
 @dataclass(frozen=True)
