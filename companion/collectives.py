@@ -52,12 +52,14 @@ def _nbytes(value: Any) -> int:
 
 
 def _tracker_hooking_each_module_once() -> Any:
-    """``CommDebugMode``'s module tracker with torch 2.11's fix, for torch 2.10.
+    """``CommDebugMode``'s module tracker with the fix of pytorch/pytorch#191452.
 
-    Torch 2.10's tracker hooks a module's end of forward again at every call
-    without removing the previous hook, so a module run twice under one mode
-    (two micro-batches in one step) pops its list of parents twice and raises
-    an IndexError. Later releases remove the previous hook first; so does this.
+    Before that fix (July 2026) the tracker hooked a module's end of forward
+    again at every call without removing the previous hook, so a module run
+    twice under one mode (two micro-batches in one step) popped its list of
+    parents twice and raised an IndexError: torch 2.10 does, and so did torch
+    2.11 on a GPU machine. This tracker removes the previous hook first, as
+    the fixed releases do, where it changes nothing.
     """
     from torch.distributed.tensor.debug._comm_mode import _CommModeModuleTracker
 
@@ -101,8 +103,7 @@ class CollectiveCounter(CommDebugMode):
 
     def __init__(self) -> None:
         super().__init__()
-        if torch.__version__ < (2, 11):  # a TorchVersion compares with tuples
-            self.advanced_module_tracker = _tracker_hooking_each_module_once()
+        self.advanced_module_tracker = _tracker_hooking_each_module_once()
         self.phase = PHASES[0]
         self.counts: dict[str, dict[str, dict[str, int]]] = {p: {} for p in PHASES}
         self._handles: list[Any] = []

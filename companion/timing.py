@@ -10,6 +10,7 @@ Every result carries the hardware it was measured on. Used in chapters 05 to 11.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 import timeit
@@ -18,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import psutil
 import torch
 
 from companion.devices import describe_hardware
@@ -25,6 +27,7 @@ from companion.devices import describe_hardware
 __all__ = [
     "Timing",
     "Benchmark",
+    "OtherLoad",
     "benchmark",
     "benchmark_interleaved",
     "format_ratio",
@@ -129,6 +132,49 @@ class Timing:
             f"{self.label}: {format_time(self.median)} per call "
             f"(IQR {format_time(self.iqr)}, {self.runs} runs)"
         )
+
+
+class OtherLoad:
+    """Cores' worth of CPU time that other programs took while a block ran.
+
+    ::
+
+        with OtherLoad() as others:
+            runs = benchmark_interleaved(...)
+        others.cores  # about 0.0 on a quiet machine, 1.0 with one core kept busy
+
+    Everything the kernel counts as busy on the cores this process may run
+    on (its CPU affinity; the hypervisor's ``steal`` on a virtual machine
+    included), less this process's own CPU time (all its threads), per second
+    of wall time. A comparison of thread counts means something only where
+    ``cores`` is small: two intra-op threads on two cores, one of which
+    another program holds, run slower than one.
+    """
+
+    cores: float = 0.0
+
+    @staticmethod
+    def _busy() -> tuple[float, float, float]:
+        """(wall clock, busy seconds of this process's cores, its CPU seconds)."""
+        per_core = psutil.cpu_times(percpu=True)
+        mine = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+        busy = sum(
+            getattr(t, field, 0.0)
+            for core, t in enumerate(per_core)
+            if mine is None or core in mine
+            for field in ("user", "nice", "system", "irq", "softirq", "steal")
+        )
+        own = psutil.Process().cpu_times()
+        return time.perf_counter(), busy, own.user + own.system
+
+    def __enter__(self) -> OtherLoad:
+        self._start = self._busy()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        (wall0, busy0, own0), (wall1, busy1, own1) = self._start, self._busy()
+        others = (busy1 - busy0) - (own1 - own0)
+        self.cores = max(0.0, others) / max(wall1 - wall0, 1e-9)
 
 
 @contextmanager

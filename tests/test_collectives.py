@@ -121,8 +121,9 @@ def test_counts_add_up() -> None:
 
 
 def test_a_model_run_twice_in_one_block_is_counted_twice() -> None:
-    """Two micro-batches under one counter: torch 2.10's own module tracker
-    raised an IndexError at the second forward pass (the counter fixes it)."""
+    """Two micro-batches under one counter: the module tracker of torch 2.10 and
+    2.11 (before pytorch/pytorch#191452) raised an IndexError at the second
+    forward pass; the counter carries the fix."""
     model = Model()
     with CollectiveCounter().follow(model) as counter:
         for _ in range(2):

@@ -1,6 +1,8 @@
 """companion.timing: formatting, the benchmark wrapper and the context manager."""
 
 import math
+import subprocess
+import sys
 import time
 from types import SimpleNamespace
 
@@ -8,7 +10,14 @@ import pytest
 import torch
 
 from companion import timing
-from companion.timing import Benchmark, Timing, benchmark, format_table, format_time
+from companion.timing import (
+    Benchmark,
+    OtherLoad,
+    Timing,
+    benchmark,
+    format_table,
+    format_time,
+)
 
 
 @pytest.mark.parametrize(
@@ -423,3 +432,48 @@ def test_benchmark_interleaved_sets_each_functions_own_threads(fake_timer):
     assert (one.threads, two.threads, rest.threads) == ({1}, {before + 1}, {before})
     assert [t.threads for t in result.values()] == [1, before + 1, before]
     assert torch.get_num_threads() == before
+
+
+def test_other_load_counts_a_busy_process_and_not_this_ones_threads():
+    spinner = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time\nend = time.time() + 30\nwhile time.time() < end: pass",
+        ]
+    )
+    try:
+        time.sleep(0.3)  # the spinner is running
+        with OtherLoad() as others:
+            end = time.perf_counter() + 1.0
+            while time.perf_counter() < end:  # this process busy too: not counted
+                pass
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert 0.7 <= others.cores <= 2.5  # the spinner's core, and whatever else ran
+
+
+def test_other_load_ignores_cores_this_process_may_not_use(monkeypatch):
+    """A program busy on a core outside this process's affinity is not counted."""
+    readings = iter([(0.0, 0.0), (10.0, 1.0)])  # (core 0's, core 1's busy seconds)
+
+    def cpu_times(percpu: bool):
+        assert percpu
+        core0, core1 = next(readings)
+        return [SimpleNamespace(user=core0), SimpleNamespace(user=core1)]
+
+    clock = iter([0.0, 1.0])
+    monkeypatch.setattr(timing.psutil, "cpu_times", cpu_times)
+    monkeypatch.setattr(timing.os, "sched_getaffinity", lambda pid: {1}, raising=False)
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(
+        timing.psutil,
+        "Process",
+        lambda: SimpleNamespace(
+            cpu_times=lambda: SimpleNamespace(user=0.0, system=0.0)
+        ),
+    )
+    with OtherLoad() as others:
+        pass
+    assert others.cores == 1.0  # core 1's second, not core 0's ten

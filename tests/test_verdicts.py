@@ -7,6 +7,7 @@ import torch
 
 from companion.timing import Timing
 from companion.verdicts import (
+    HELD_CORE,
     NOISE_FLOOR,
     check,
     check_close,
@@ -252,3 +253,13 @@ def test_check_speed_ups_at_most_picks_the_closest_after_the_noise():
     assert check_speed_ups_at_most("s", [timing(1.0)], timing(1.0), at_most=1).holds
     with pytest.raises(ValueError, match=r"^No candidate timings to compare\.$"):
         check_speed_ups_at_most("s", [], timing(1.0), at_most=2)
+
+
+def test_check_not_faster_with_others_names_held_cores_and_excuses_only_them():
+    faster = timing(1.0), timing(1.5)  # the candidate is clearly faster
+    quiet = check_not_faster("n", *faster, others=0.02)
+    assert quiet.claim == "n, or other programs held a core"
+    assert not quiet.holds
+    assert quiet.evidence == "1.50×, noise ±5%; other programs: 0.02 cores"
+    assert check_not_faster("n", *faster, others=HELD_CORE).holds  # a core held
+    assert check_not_faster("n", timing(1.5), timing(1.0), others=0.0).holds
