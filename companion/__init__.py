@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from companion.plotting import new_axes, plot_history
     from companion.timing import (
         Benchmark,
+        OtherLoad,
         Timing,
         benchmark,
         benchmark_interleaved,
@@ -69,6 +70,7 @@ _EXPORTS = {
     "DataUnavailableError": "companion.data",
     "DeviceError": "companion.devices",
     "ImageData": "companion.data",
+    "OtherLoad": "companion.timing",
     "Timing": "companion.timing",
     "ToyDataset": "companion.data",
     "Verdict": "companion.verdicts",
@@ -129,6 +131,7 @@ __all__ = [
     "ImageData",
     "LaunchError",
     "LaunchTimeout",
+    "OtherLoad",
     "Timing",
     "Verdict",
     "ToyDataset",

@@ -57,9 +57,9 @@ def _tracker_hooking_each_module_once() -> Any:
     Before that fix (July 2026) the tracker hooked a module's end of forward
     again at every call without removing the previous hook, so a module run
     twice under one mode (two micro-batches in one step) popped its list of
-    parents twice and raised an IndexError: torch 2.10 does, and so did torch
-    2.11 on a GPU machine. This tracker removes the previous hook first, as
-    the fixed releases do, where it changes nothing.
+    parents twice and raised an IndexError: torch 2.10 and 2.11 raise it (2.11
+    was first caught on the GPU machine). This tracker removes the previous
+    hook first, as the fixed releases do; on those it changes nothing.
     """
     from torch.distributed.tensor.debug._comm_mode import _CommModeModuleTracker
 

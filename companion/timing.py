@@ -141,28 +141,43 @@ class OtherLoad:
 
         with OtherLoad() as others:
             runs = benchmark_interleaved(...)
-        others.cores  # about 0.0 on a quiet machine, 1.0 with one core kept busy
+        others.cores      # about 0.0 on a quiet machine of few cores, 1.0 with
+        others.available  # one of them kept busy; the cores it watched
 
     Everything the kernel counts as busy on the cores this process may run
-    on (its CPU affinity; the hypervisor's ``steal`` on a virtual machine
-    included), less this process's own CPU time (all its threads), per second
-    of wall time. A comparison of thread counts means something only where
-    ``cores`` is small: two intra-op threads on two cores, one of which
-    another program holds, run slower than one.
+    on (its CPU affinity, read where the system reports it: Linux and
+    Windows; every core elsewhere, macOS among them), the hypervisor's
+    ``steal`` on a virtual machine included, less this process's own CPU
+    time (all its threads), per second of wall time. This process's children
+    (a DataLoader's workers, launched scripts) count as other programs, and
+    so does nothing on a hyperthread sibling outside the affinity, which
+    slows these cores all the same. A comparison of thread counts means
+    something only where ``cores`` is a small share of ``available``: two
+    intra-op threads on two cores, one of which another program holds, run
+    slower than one.
     """
 
-    cores: float = 0.0
+    _FIELDS = ("user", "nice", "system", "irq", "softirq", "steal", "interrupt", "dpc")
 
-    @staticmethod
-    def _busy() -> tuple[float, float, float]:
-        """(wall clock, busy seconds of this process's cores, its CPU seconds)."""
+    def __init__(self) -> None:
+        self.cores = math.nan  # measured when the block ends
         per_core = psutil.cpu_times(percpu=True)
-        mine = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+        try:
+            mine = set(psutil.Process().cpu_affinity())
+        except (AttributeError, psutil.Error):  # macOS has no affinity
+            mine = set(range(len(per_core)))
+        if len(per_core) != psutil.cpu_count():  # an offline CPU: ids do not index
+            mine = set(range(len(per_core)))
+        self._mine = mine & set(range(len(per_core)))
+        self.available = len(self._mine)
+
+    def _busy(self) -> tuple[float, float, float]:
+        """(wall clock, busy seconds of the watched cores, this process's CPU seconds)."""
+        per_core = psutil.cpu_times(percpu=True)
         busy = sum(
-            getattr(t, field, 0.0)
-            for core, t in enumerate(per_core)
-            if mine is None or core in mine
-            for field in ("user", "nice", "system", "irq", "softirq", "steal")
+            getattr(per_core[core], field, 0.0)
+            for core in self._mine
+            for field in self._FIELDS
         )
         own = psutil.Process().cpu_times()
         return time.perf_counter(), busy, own.user + own.system

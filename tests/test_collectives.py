@@ -128,6 +128,9 @@ def test_a_model_run_twice_in_one_block_is_counted_twice() -> None:
     with CollectiveCounter().follow(model) as counter:
         for _ in range(2):
             model(torch.randn(5, 4, requires_grad=True)).sum().backward()
+        hooks = len(model.layer._forward_hooks)  # the tracker's, one per module
     assert counter.total() == {
         "all-reduce": {"calls": 4, "input_bytes": 280, "output_bytes": 280}
     }
+    assert hooks == 1  # without the fix: one per forward pass (2)
+    assert not model.layer._forward_hooks  # all removed when the block ends

@@ -1,13 +1,14 @@
 """Verdicts: claims with tolerances, decided from measurements, noise-aware."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from companion.timing import Timing
 from companion.verdicts import (
-    HELD_CORE,
+    HELD_SHARE,
     NOISE_FLOOR,
     check,
     check_close,
@@ -255,11 +256,21 @@ def test_check_speed_ups_at_most_picks_the_closest_after_the_noise():
         check_speed_ups_at_most("s", [], timing(1.0), at_most=2)
 
 
-def test_check_not_faster_with_others_names_held_cores_and_excuses_only_them():
+def load(cores: float, available: int = 2) -> SimpleNamespace:
+    """What OtherLoad reports: other programs' cores' worth, of ``available``."""
+    return SimpleNamespace(cores=cores, available=available)
+
+
+def test_check_not_faster_with_others_excuses_only_a_loss_a_held_core_explains():
     faster = timing(1.0), timing(1.5)  # the candidate is clearly faster
-    quiet = check_not_faster("n", *faster, others=0.02)
-    assert quiet.claim == "n, or other programs held a core"
+    quiet = check_not_faster("n", *faster, others=load(0.02))
+    assert quiet.claim == "n, or other programs took 1/8 of the cores"
     assert not quiet.holds
-    assert quiet.evidence == "1.50×, noise ±5%; other programs: 0.02 cores"
-    assert check_not_faster("n", *faster, others=HELD_CORE).holds  # a core held
-    assert check_not_faster("n", timing(1.5), timing(1.0), others=0.0).holds
+    assert quiet.evidence == "1.50×, noise ±5%; other programs: 0.02 of 2 cores"
+    held = check_not_faster("n", *faster, others=load(HELD_SHARE * 2))
+    assert held.holds and held.evidence.endswith("; excused by their load")
+    # A speed-up a held core cannot explain fails however loaded the machine.
+    assert not check_not_faster("n", timing(1.0), timing(3.0), others=load(1.0)).holds
+    # The share scales with the cores: 0.3 of 16 cores excuses nothing.
+    assert not check_not_faster("n", *faster, others=load(0.3, 16)).holds
+    assert check_not_faster("n", timing(1.5), timing(1.0), others=load(0.0)).holds
