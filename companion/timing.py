@@ -172,7 +172,7 @@ class OtherLoad:
         self.available = len(self._mine)
 
     def _busy(self) -> tuple[float, float, float]:
-        """(wall clock, busy seconds of the watched cores, this process's CPU seconds)."""
+        """(wall clock, busy seconds of the watched cores, this process's CPU time)."""
         per_core = psutil.cpu_times(percpu=True)
         busy = sum(
             getattr(per_core[core], field, 0.0)

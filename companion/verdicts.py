@@ -220,11 +220,12 @@ def check_not_faster(
     Where the claim holds only on free cores (fewer threads not faster than
     more), give ``others``, what other programs took on this process's cores
     meanwhile: the claim then reads "..., or other programs took 1/8 of the
-    cores", and holds too where they took at least ``HELD_SHARE`` of them, unless the
-    candidate won by more than ``HELD_SPEED_UP`` beyond the noise, more than a
-    held core explains (on two cores, one of them held, two intra-op threads
-    measured up to 2.8x slower than one beyond the noise: a product waits for
-    the thread that shares its core, up to a scheduler time slice).
+    cores", and holds too where they took at least ``HELD_SHARE`` of them,
+    unless the candidate won by more than ``HELD_SPEED_UP`` beyond the noise,
+    more than a held core explains (on two cores, one of them held, two
+    intra-op threads measured up to 2.8x slower than one beyond the noise: a
+    product waits for the thread that shares its core, up to a scheduler time
+    slice).
     """
     c = compare_speed(candidate, reference)
     if others is None:
