@@ -102,6 +102,30 @@ def test_every_named_figure_is_referred_to_in_the_text(nb):
 
 
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_stored_image_has_a_caption_and_alt_text(nb):
+    """A plot is a figure: its cell gives ``mystnb.figure.caption`` and
+    ``mystnb.image.alt`` (the browser check finds the same in the built page,
+    minutes later)."""
+    missing = []
+    for i, cell in enumerate(cells(nb)):
+        images = [
+            kind
+            for output in cell.get("outputs", [])
+            for kind in output.get("data", {})
+            if kind.startswith("image/")
+        ]
+        mystnb = cell["metadata"].get("mystnb", {})
+        if images and not (
+            mystnb.get("figure", {}).get("caption")
+            and mystnb.get("image", {}).get("alt")
+        ):
+            missing.append(i)
+    assert not missing, (
+        f"{nb.name}: cells {missing} store a plot without caption and alt"
+    )
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_is_stored_executed_without_errors(nb):
     data = json.loads(nb.read_text())
     assert data["metadata"]["kernelspec"]["name"] == "python3"
