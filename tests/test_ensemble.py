@@ -185,6 +185,7 @@ def test_compiled_vmap_step_equals_eager(spirals):
     torch.testing.assert_close(c_state, e_state, atol=TOLERANCE, rtol=0)
 
 
+@pytest.mark.slow  # chapter 10 runs benchmark_ensemble in `make test`
 @pytest.mark.timeout(300)
 def test_benchmark_ensemble_reports_every_count():
     torch._dynamo.reset()  # no entries left by other tests' compiled vmaps (they share a code object)

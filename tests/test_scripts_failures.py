@@ -108,6 +108,7 @@ def results(run_dir: Path, name: str) -> dict:
 # ---- mismatched collectives
 
 
+@pytest.mark.slow  # chapter 15 launches the same run in `make test`
 @pytest.mark.parametrize("python", PYTHONS)
 def test_detail_names_the_shapes_of_an_all_gather(python):
     run = run_ranks(
@@ -300,6 +301,7 @@ def test_rank0_only_flight_records_are_exercise_2(tmp_path):
 # ---- a rank that skips a collective
 
 
+@pytest.mark.slow  # chapter 15 launches the same run in `make test`
 @pytest.mark.parametrize("python", PYTHONS)
 def test_monitored_barrier_names_the_rank_with_more_data(python):
     args = ["--fail", "uneven", "--timeout", "5", "--barrier-timeout", "1"]
