@@ -41,7 +41,7 @@ from companion.devices import num_gpus, try_gpu
 from companion.hardware import UNKNOWN, bf16_matmul_support
 from companion.launch import gpus_for, launch
 from companion.roofline import measure_roofline
-from companion.timing import format_ratio, format_table, format_time
+from companion.timing import format_ratio, format_table, format_time, paired_difference
 
 
 def parse_args() -> argparse.Namespace:
@@ -102,7 +102,7 @@ def collectives_part() -> None:
 
 def ddp_part() -> None:
     args = ["--caps", *map(str, ARGS.caps), "--n-layer", str(ARGS.n_layer),
-            "--n-embd", str(ARGS.n_embd), "--rounds", "9", "--backend", ARGS.backend,
+            "--n-embd", str(ARGS.n_embd), "--rounds", "21", "--backend", ARGS.backend,
             "--max-bytes", "4096"]  # fmt: skip
     talk = launch("checks/cost_of_talking.py", args + (["--compile"] if ARGS.compile else []),
                   nproc=2, gpus=gpus_for(2), timeout=3600)  # fmt: skip
@@ -112,9 +112,9 @@ def ddp_part() -> None:
     grads = [plain["bytes"][i] for i in order]
     ready = [plain["ready"][i] for i in order]
     fit = fit_collectives(ddp["all_reduce"])["all_reduce", ddp["world_size"]]
-    alone = steps["no communication"]["median"]
-    contention = (steps["backward beside an all-reduce"]["median"] - alone) / steps[
-        "all-reduce alone"]["median"]  # fmt: skip
+    alone = steps["no communication"]["rounds"]  # subtracted round by round
+    lost, _ = paired_difference(steps["backward beside an all-reduce"]["rounds"], alone)
+    contention = lost / steps["all-reduce alone"]["median"]
     kappa = min(1.0, max(0.0, contention))
     rows, predicted = [], {}
     for name, cap in ddp["caps"].items():
@@ -123,7 +123,8 @@ def ddp_part() -> None:
         predicted[name] = plan.cost(kappa)
         rows.append({"bucket_cap_mb": name, "buckets": len(buckets),
                      "predicted": format_time(predicted[name]),
-                     "measured": format_time(steps[name]["median"] - alone)})  # fmt: skip
+                     "measured": "{} ± {}".format(*map(format_time, paired_difference(
+                         steps[name]["rounds"], alone)))})  # fmt: skip
     print(format_table(rows, title=f"DDP's communication per step (contention {contention:.2f})",
                        threads=ddp["threads"]))  # fmt: skip
     print(f"predicted best bucket_cap_mb: {min(predicted, key=predicted.get)}")

@@ -48,6 +48,7 @@ if TYPE_CHECKING:
         format_ratio,
         format_table,
         format_time,
+        paired_difference,
         synchronize,
     )
     from companion.training import accuracy, evaluate_accuracy, train_classifier
@@ -99,6 +100,7 @@ _EXPORTS = {
     "make_toy_data": "companion.data",
     "new_axes": "companion.plotting",
     "num_gpus": "companion.devices",
+    "paired_difference": "companion.timing",
     "plot_history": "companion.plotting",
     "save_checkpoint": "companion.checkpoint",
     "set_seed": "companion.notebook",
@@ -161,6 +163,7 @@ __all__ = [
     "make_toy_data",
     "new_axes",
     "num_gpus",
+    "paired_difference",
     "plot_history",
     "save_checkpoint",
     "script_path",

@@ -33,8 +33,13 @@ __all__ = [
     "format_ratio",
     "format_time",
     "format_table",
+    "paired_difference",
     "synchronize",
 ]
+
+# McGill, Tukey and Larsen (1978): a box plot's notch, median ± 1.57 IQR / √n, is
+# an approximate 95% interval for the median of n values.
+NOTCH = 1.57
 
 
 def synchronize() -> None:
@@ -323,6 +328,23 @@ def benchmark_interleaved(
         name: Timing.from_samples(name, samples, threads=threads[name])
         for name, samples in times.items()
     }
+
+
+def paired_difference(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]:
+    """The median of ``a[r] - b[r]`` over rounds in which both were timed, and the
+    half-width of its approximate 95% interval (a box plot's notch, 1.57 IQR / √n).
+
+    Two variants timed in the same round met the same load: the difference
+    cancels what they shared, and the interval says how well the rounds pin
+    down its median (not how much one round varies, which the IQR says).
+    """
+    if len(a) != len(b) or len(a) < 3:
+        raise ValueError(
+            "paired_difference needs two lists of times from the same rounds, at "
+            f"least 3; got {len(a)} and {len(b)}."
+        )
+    q1, median, q3 = statistics.quantiles([x - y for x, y in zip(a, b)], n=4)
+    return median, NOTCH * (q3 - q1) / math.sqrt(len(a))
 
 
 def format_table(

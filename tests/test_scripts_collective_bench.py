@@ -9,6 +9,7 @@ variants of the check, plain python and the simulated GPU path.
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -90,8 +91,9 @@ def test_the_gpu_path_runs_on_simulated_gpus(tmp_path) -> None:
     check_rows(results, [2])
 
 
+ROUNDS = 3
 CHECK = ["--n-layer", "1", "--n-embd", "64", "--seq-len", "16", "--caps", "0.01", "1",
-         "--rounds", "3", "--max-bytes", "4096"]  # fmt: skip
+         "--rounds", str(ROUNDS), "--max-bytes", "4096"]  # fmt: skip
 
 
 def check_ddp_results(results: dict) -> None:
@@ -108,7 +110,10 @@ def check_ddp_results(results: dict) -> None:
         "0.01 MiB", "1 MiB", "default",
     }  # fmt: skip
     assert {r["bytes"] for r in results["all_reduce"]} == {4096 * 4**k for k in range(7)}
-    assert all(v["median"] > 0 for v in results["step"].values())
+    for v in results["step"].values():  # each round's time, the slowest rank's
+        assert len(v["rounds"]) == ROUNDS
+        assert v["median"] == pytest.approx(statistics.median(v["rounds"]))
+        assert v["median"] > 0 and v["iqr"] >= 0
     trace = results["trace"]
     default = assign_buckets(sizes, ddp_bucket_caps(None))
     assert trace["collectives"] == len(default)

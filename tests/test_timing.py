@@ -19,6 +19,7 @@ from companion.timing import (
     benchmark,
     format_table,
     format_time,
+    paired_difference,
 )
 
 
@@ -517,3 +518,18 @@ def test_other_load_leaves_out_this_processs_own_threads(monkeypatch):
 
 def test_other_load_is_unknown_until_the_block_ends():
     assert math.isnan(OtherLoad().cores)
+
+
+def test_paired_difference_cancels_the_load_both_rounds_met():
+    load = [0.0, 5.0, 0.1, 9.0, 0.2, 3.0, 0.0]  # a busy spell hits some rounds
+    b = [1.0 + x for x in load]
+    a = [3.0 + x for x in load]
+    assert paired_difference(a, b) == (pytest.approx(2.0), pytest.approx(0.0))
+    # unpaired, the IQRs of a and b would be seconds wide
+    median, half_width = paired_difference([3, 4, 5, 6, 7], [1, 1, 1, 1, 1])
+    assert median == 4 and half_width == pytest.approx(1.57 * 3 / 5**0.5)
+
+
+def test_paired_difference_wants_the_same_rounds():
+    with pytest.raises(ValueError, match="same rounds, at least 3; got 3 and 2"):
+        paired_difference([1, 2, 3], [1, 2])

@@ -84,7 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--batch-size", type=int, default=2)  # sequences per process
     add("--seq-len", type=int, default=64)  # tokens per sequence
     add("--caps", type=float, nargs="+", default=[0.05, 1.0, 4.0])  # MiB
-    add("--rounds", type=int, default=5)  # timed rounds (after one warm-up)
+    add("--rounds", type=int, default=11)  # timed rounds (after one warm-up)
     add("--compile", action="store_true")  # also the torch.compile variants
     add("--compile-steps", type=int, default=3)  # steps compared with eager
     add("--compile-layers", type=int, default=1)  # blocks of the compiled model
@@ -182,30 +182,28 @@ def step(model, x, y) -> torch.Tensor:
 
 def time_variants(
     variants: dict[str, Callable[[], object]], rounds: int, group, device
-):
-    """Each variant once per round, in turn, after a barrier; per variant the largest
-    over the ranks of their median and interquartile range (a step ends for every
-    rank when it ends for the last)."""
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(rounds + 1):  # the first round warms up
-        for name, run in variants.items():
+) -> dict[str, dict]:
+    """Each variant once per round, in turn, after a barrier. Per variant: the time
+    of each round, the largest over the ranks (a step ends for every rank when it
+    ends for the last), and their median and interquartile range. Variants timed
+    in the same round met the same load: subtract them round by round
+    (``companion.comm_costs.paired_difference``)."""
+    times = torch.zeros(len(variants), rounds + 1, dtype=torch.float64)
+    for r in range(rounds + 1):  # the first round warms up
+        for k, run in enumerate(variants.values()):
             dist.barrier(group=group)
             sync(device)
             start = time.perf_counter()
             run()
             sync(device)
-            times[name].append(time.perf_counter() - start)
-    stats = []
-    for name in variants:
-        q1, _, q3 = statistics.quantiles(times[name][1:], n=4)
-        stats += [statistics.median(times[name][1:]), q3 - q1]
-    largest = torch.tensor(stats, device=device, dtype=torch.float64)
-    dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
-    values = largest.tolist()
-    return {
-        name: {"median": values[2 * k], "iqr": values[2 * k + 1]}
-        for k, name in enumerate(variants)
-    }
+            times[k, r] = time.perf_counter() - start
+    slowest = times[:, 1:].to(device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    result = {}
+    for name, per_round in zip(variants, slowest.tolist()):
+        q1, median, q3 = statistics.quantiles(per_round, n=4)
+        result[name] = {"median": median, "iqr": q3 - q1, "rounds": per_round}
+    return result
 
 
 def profiled_step(run: Callable[[], object], group, device) -> dict:
