@@ -48,6 +48,7 @@ if TYPE_CHECKING:
         format_ratio,
         format_table,
         format_time,
+        median_interval,
         paired_difference,
         synchronize,
     )
@@ -98,6 +99,7 @@ _EXPORTS = {
     "load_image_data": "companion.data",
     "make_spirals": "companion.data",
     "make_toy_data": "companion.data",
+    "median_interval": "companion.timing",
     "new_axes": "companion.plotting",
     "num_gpus": "companion.devices",
     "paired_difference": "companion.timing",
@@ -161,6 +163,7 @@ __all__ = [
     "load_image_data",
     "make_spirals",
     "make_toy_data",
+    "median_interval",
     "new_axes",
     "num_gpus",
     "paired_difference",

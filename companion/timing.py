@@ -33,12 +33,14 @@ __all__ = [
     "format_ratio",
     "format_time",
     "format_table",
+    "median_interval",
     "paired_difference",
     "synchronize",
 ]
 
-# McGill, Tukey and Larsen (1978): a box plot's notch, median ± 1.57 IQR / √n, is
-# an approximate 95% interval for the median of n values.
+# McGill, Tukey and Larsen (1978): a box plot's notch, median ± 1.57 IQR / √n.
+# Two medians whose notches do not overlap differ at about the 5% level; for
+# one median of n values it is roughly a 90% interval.
 NOTCH = 1.57
 
 
@@ -330,21 +332,29 @@ def benchmark_interleaved(
     }
 
 
+def median_interval(values: Sequence[float]) -> tuple[float, float]:
+    """The median of ``values`` and its noise: the half-width of a box plot's
+    notch, 1.57 IQR / √n, roughly a 90% interval for the median.
+
+    The IQR says how much the values spread; the notch, how well n of them pin
+    their median down."""
+    if len(values) < 3:
+        raise ValueError(f"median_interval needs at least 3 values; got {len(values)}.")
+    q1, median, q3 = statistics.quantiles(values, n=4)
+    return median, NOTCH * (q3 - q1) / math.sqrt(len(values))
+
+
 def paired_difference(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]:
-    """The median of ``a[r] - b[r]`` over rounds in which both were timed, and the
-    half-width of its approximate 95% interval (a box plot's notch, 1.57 IQR / √n).
+    """``median_interval`` of ``a[r] - b[r]``, over rounds in which both were timed.
 
     Two variants timed in the same round met the same load: the difference
-    cancels what they shared, and the interval says how well the rounds pin
-    down its median (not how much one round varies, which the IQR says).
-    """
+    cancels what they shared, and the interval says what is left."""
     if len(a) != len(b) or len(a) < 3:
         raise ValueError(
             "paired_difference needs two lists of times from the same rounds, at "
             f"least 3; got {len(a)} and {len(b)}."
         )
-    q1, median, q3 = statistics.quantiles([x - y for x, y in zip(a, b)], n=4)
-    return median, NOTCH * (q3 - q1) / math.sqrt(len(a))
+    return median_interval([x - y for x, y in zip(a, b)])
 
 
 def format_table(

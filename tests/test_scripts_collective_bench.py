@@ -93,7 +93,7 @@ def test_the_gpu_path_runs_on_simulated_gpus(tmp_path) -> None:
 
 ROUNDS = 3
 CHECK = ["--n-layer", "1", "--n-embd", "64", "--seq-len", "16", "--caps", "0.01", "1",
-         "--rounds", str(ROUNDS), "--max-bytes", "4096"]  # fmt: skip
+         "--rounds", str(ROUNDS), "--traces", "3", "--max-bytes", "4096"]  # fmt: skip
 
 
 def check_ddp_results(results: dict) -> None:
@@ -119,6 +119,8 @@ def check_ddp_results(results: dict) -> None:
     assert trace["collectives"] == len(default)
     assert 0 <= trace["exposed"] <= trace["communication"]
     assert len(trace["exposed_per_rank"]) == 2
+    assert len(trace["exposed_steps"]) == 3 and trace["exposed"] in trace["exposed_steps"]
+    assert trace["exposed"] == sorted(trace["exposed_steps"])[1]  # the median step
 
 
 @pytest.mark.slow  # chapter 16 runs this check on 4 processes in every nbval run

@@ -19,6 +19,7 @@ from companion.timing import (
     benchmark,
     format_table,
     format_time,
+    median_interval,
     paired_difference,
 )
 
@@ -533,3 +534,9 @@ def test_paired_difference_cancels_the_load_both_rounds_met():
 def test_paired_difference_wants_the_same_rounds():
     with pytest.raises(ValueError, match="same rounds, at least 3; got 3 and 2"):
         paired_difference([1, 2, 3], [1, 2])
+
+
+def test_median_interval_is_a_box_plots_notch():
+    assert median_interval([1, 2, 3, 4, 5]) == (3, pytest.approx(1.57 * 3 / 5**0.5))
+    with pytest.raises(ValueError, match="at least 3 values; got 2"):
+        median_interval([1, 2])

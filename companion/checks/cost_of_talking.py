@@ -9,7 +9,8 @@ load (and the processes start once):
    ``sweep`` in groups of ``--groups`` processes (the first n ranks), over
    message sizes from ``--min-bytes`` to ``--max-bytes``;
 
-then, on the first two ranks (the others wait), on the course GPT
+then, on the first two ranks (the others wait, and on a CPU the two take
+their cores: ``cpu_count() // 2`` threads each), on the course GPT
 (``companion.gpt``), each process with its own batch:
 
 2. all-reduces of 4 KiB to 16 MiB between the two, for the fit the DDP
@@ -20,11 +21,13 @@ then, on the first two ranks (the others wait), on the course GPT
    DDP's default, of the default under ``no_sync()`` (no communication), of
    the default beside an all-reduce of all the gradients' bytes started as
    the backward pass starts, and that all-reduce alone: the variants take
-   turns round after round; the buckets DDP built after its first step; the
-   slowest rank's medians and spreads;
-5. one profiled step of the default DDP: the intervals of computation and
-   of the backend's all-reduces, and the communication left exposed, from
-   the rank that finished its backward pass last;
+   turns round after round, in an order rotated each round; the buckets DDP
+   built after its first step; each round's time of the slowest rank, with
+   their median and IQR;
+5. ``--traces`` profiled steps of the default DDP: the intervals of
+   computation and of the backend's all-reduces, and the communication left
+   exposed, from the rank that finished its backward pass last; every step's
+   exposed time, and the intervals of the median step;
 6. with ``--compile``: a GPT of ``--compile-layers`` blocks under
    ``torch.compile`` (graphs split at the buckets by DDP's optimizer) and
    under compiled autograd (the all-reduces traced into the backward
@@ -54,6 +57,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from companion.checking import DeviceClock
 from companion.comm_costs import exposed_communication
+from companion.devices import cpu_count
 from companion.gpt import GPT, GPTConfig, lm_loss
 from companion.scripts import collective_bench
 from companion.scripts.collective_bench import (
@@ -85,6 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--seq-len", type=int, default=64)  # tokens per sequence
     add("--caps", type=float, nargs="+", default=[0.05, 1.0, 4.0])  # MiB
     add("--rounds", type=int, default=11)  # timed rounds (after one warm-up)
+    add("--traces", type=int, default=5)  # profiled steps of the default DDP
     add("--compile", action="store_true")  # also the torch.compile variants
     add("--compile-steps", type=int, default=3)  # steps compared with eager
     add("--compile-layers", type=int, default=1)  # blocks of the compiled model
@@ -93,8 +98,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--timeout", type=float, default=600)  # seconds
     add("--results", default="")  # a JSON file for rank 0's results
     args = parser.parse_args(argv)
-    if args.rounds < 3 or min(args.caps, default=1) <= 0:
-        parser.error("--rounds must be at least 3 and every cap positive")
+    if args.rounds < 3 or args.traces < 3 or min(args.caps, default=1) <= 0:
+        parser.error("--rounds and --traces must be at least 3, every cap positive")
     return args
 
 
@@ -183,14 +188,17 @@ def step(model, x, y) -> torch.Tensor:
 def time_variants(
     variants: dict[str, Callable[[], object]], rounds: int, group, device
 ) -> dict[str, dict]:
-    """Each variant once per round, in turn, after a barrier. Per variant: the time
-    of each round, the largest over the ranks (a step ends for every rank when it
-    ends for the last), and their median and interquartile range. Variants timed
-    in the same round met the same load: subtract them round by round
-    (``companion.comm_costs.paired_difference``)."""
-    times = torch.zeros(len(variants), rounds + 1, dtype=torch.float64)
+    """Each variant once per round, in turn, after a barrier, the order rotated by
+    one each round (so that no variant always follows the same one). Per variant:
+    the time of each round, the largest over the ranks (a step ends for every rank
+    when it ends for the last), and their median and interquartile range. Variants
+    timed in the same round met the same load: subtract them round by round
+    (``companion.timing.paired_difference``)."""
+    runs = list(variants.values())
+    times = torch.zeros(len(runs), rounds + 1, dtype=torch.float64)
     for r in range(rounds + 1):  # the first round warms up
-        for k, run in enumerate(variants.values()):
+        for k in [(r + i) % len(runs) for i in range(len(runs))]:
+            run = runs[k]
             dist.barrier(group=group)
             sync(device)
             start = time.perf_counter()
@@ -239,6 +247,12 @@ def profiled_step(run: Callable[[], object], group, device) -> dict:
         "rank": least,
         "exposed_per_rank": [e["exposed"] for e in every],
     }
+
+
+def median_trace(traces: list[dict]) -> dict:
+    """The profiled step with the median exposed communication, and every step's."""
+    kept = sorted(traces, key=lambda t: t["exposed"])[len(traces) // 2]
+    return {**kept, "exposed_steps": [t["exposed"] for t in traces]}
 
 
 def ddp_part(args, rank: int, group, device) -> dict:
@@ -301,8 +315,11 @@ def ddp_part(args, rank: int, group, device) -> dict:
         "plain": plain,
         "step": measured,
         "buckets": {name: ddp_buckets(d) for name, d in ddps.items()},
-        "trace": profiled_step(lambda: step(default, x, y), group, device),
-    }
+        "trace": median_trace(
+            [profiled_step(lambda: step(default, x, y), group, device)
+             for _ in range(args.traces)]
+        ),
+    }  # fmt: skip
 
 
 def compiled_part(args, rank: int, group, device) -> dict:
@@ -392,6 +409,8 @@ def main() -> None:
     }
     pair = dist.group.WORLD if world_size == 2 else dist.new_group([0, 1])
     if rank < 2:
+        if device.type == "cpu":  # the two fill the cores, as a DDP job would
+            torch.set_num_threads(max(1, cpu_count() // 2))
         results["ddp"] = ddp_part(args, rank, pair, device)
         if args.compile:
             results["ddp"]["compiled"] = compiled_part(args, rank, pair, device)
