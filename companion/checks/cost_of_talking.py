@@ -205,7 +205,7 @@ def time_variants(
             run()
             sync(device)
             times[k, r] = time.perf_counter() - start
-    slowest = times[:, 1:].to(device)
+    slowest = times[:, 1:].contiguous().to(device)  # collectives want contiguous
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     result = {}
     for name, per_round in zip(variants, slowest.tolist()):
