@@ -35,6 +35,7 @@ from companion.comm_costs import (
     assign_buckets,
     ddp_bucket_caps,
     fit_collectives,
+    measured_contention,
     overlap_schedule,
 )
 from companion.devices import num_gpus, try_gpu
@@ -113,8 +114,7 @@ def ddp_part() -> None:
     ready = [plain["ready"][i] for i in order]
     fit = fit_collectives(ddp["all_reduce"])["all_reduce", ddp["world_size"]]
     alone = steps["no communication"]["rounds"]  # subtracted round by round
-    lost, _ = paired_difference(steps["backward beside an all-reduce"]["rounds"], alone)
-    contention = lost / steps["all-reduce alone"]["median"]
+    contention, _ = measured_contention(steps)
     kappa = min(1.0, max(0.0, contention))
     rows, predicted = [], {}
     for name, cap in ddp["caps"].items():

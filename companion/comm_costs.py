@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from companion.notebook import CourseError
 from companion.parallel_costs import DeviceAndLink
+from companion.timing import median_interval
 
 __all__ = [
     "KINDS",
@@ -41,6 +42,7 @@ __all__ = [
     "exposed_communication",
     "fit_alpha_beta",
     "fit_collectives",
+    "measured_contention",
     "overlap_schedule",
 ]
 
@@ -269,6 +271,22 @@ def overlap_schedule(
         start.append(s)
         end.append(free)
     return BucketSchedule(ready, start, end, backward)
+
+
+def measured_contention(steps: Mapping[str, Mapping]) -> tuple[float, float]:
+    """The share of a hidden all-reduce's time that the backward pass beside it
+    loses, from ``checks/cost_of_talking.py``'s step times: (both - backward) /
+    all-reduce, round by round; its median and noise (``median_interval``)."""
+    return median_interval(
+        [
+            (both - backward) / all_reduce
+            for both, backward, all_reduce in zip(
+                steps["backward beside an all-reduce"]["rounds"],
+                steps["no communication"]["rounds"],
+                steps["all-reduce alone"]["rounds"],
+            )
+        ]
+    )
 
 
 def merge_intervals(spans: Iterable[Sequence[float]]) -> list[tuple[float, float]]:

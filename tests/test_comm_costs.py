@@ -14,6 +14,7 @@ from companion.comm_costs import (
     exposed_communication,
     fit_alpha_beta,
     fit_collectives,
+    measured_contention,
     merge_intervals,
     overlap_schedule,
 )
@@ -218,3 +219,13 @@ def test_the_reducer_rule_holds_for_a_real_ddp_model() -> None:
         assert [[order[i] for i in bucket] for bucket in ours] == theirs
     finally:
         dist.destroy_process_group()
+
+
+def test_measured_contention_is_taken_round_by_round():
+    # round 2 is slow for everything: per round the share lost is 0.5 each time
+    steps = {
+        "no communication": {"rounds": [1.0, 5.0, 1.0]},
+        "backward beside an all-reduce": {"rounds": [1.5, 7.0, 1.5]},
+        "all-reduce alone": {"rounds": [1.0, 4.0, 1.0]},
+    }
+    assert measured_contention(steps) == (pytest.approx(0.5), pytest.approx(0.0))
