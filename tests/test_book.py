@@ -115,13 +115,12 @@ def test_every_stored_image_has_a_caption_and_alt_text(nb):
             if kind.startswith("image/")
         ]
         mystnb = cell["metadata"].get("mystnb", {})
-        if images and not (
-            mystnb.get("figure", {}).get("caption")
-            and mystnb.get("image", {}).get("alt")
-        ):
+        caption = (mystnb.get("figure", {}).get("caption") or "").strip()
+        alt = (mystnb.get("image", {}).get("alt") or "").strip()
+        if images and not (caption and alt and alt != caption):
             missing.append(i)
     assert not missing, (
-        f"{nb.name}: cells {missing} store a plot without caption and alt"
+        f"{nb.name}: cells {missing} store a plot without a caption and a distinct alt"
     )
 
 
