@@ -9,6 +9,14 @@ processes, or under plain ``python``. The output streams into the notebook as
 it runs; a time-out or an interrupt stops the whole process group, so nothing
 is left running; the JSON results file comes back as a dict.
 
+Start-up: a new ``python -m torch.distributed.run`` spends about 2 s importing
+torch before it starts a worker, and more than half a second tearing its
+modules down at the end. On Linux, ``launch`` therefore runs torchrun's own
+``main`` in a process forked from a ``multiprocessing`` forkserver that has
+imported it once: the same launcher, started in milliseconds, from a notebook
+or a REPL (see ``_start``). Elsewhere, and from a script, it starts
+``python -m torch.distributed.run``.
+
 Devices: the scripts give each process a GPU of its own when the node has one
 per process, and refuse a node with too few. ``launch`` therefore runs on the
 GPUs when there are at least as many as processes, and otherwise hides them
@@ -22,6 +30,8 @@ from __future__ import annotations
 
 import collections
 import json
+import multiprocessing
+import multiprocessing.connection
 import os
 import re
 import signal
@@ -29,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -95,7 +106,96 @@ def gpus_for(*nprocs: int | None) -> bool:
     return num_gpus() >= max(n or 1 for n in nprocs)
 
 
-def stop_process_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
+class _ForkedTorchrun:
+    """torchrun's ``main`` in a process forked from a preloaded forkserver.
+
+    It offers what ``launch`` and ``stop_process_group`` use of a ``Popen``:
+    ``pid``, ``stdout`` (the launcher's and its workers' output, one pipe),
+    ``poll``, ``wait`` and ``kill``.
+    """
+
+    def __init__(self, argv: list[str], env: Mapping[str, str]) -> None:
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["torch.distributed.run"])  # once per server
+        read, write = os.pipe()
+        pipe = multiprocessing.connection.Connection(write, readable=False)
+        self._process = context.Process(
+            target=_run_torchrun, args=(argv, dict(env), pipe)
+        )
+        self._process.start()
+        pipe.close()  # the child holds its own copy: EOF once it and its workers end
+        self.pid = self._process.pid
+        self.stdout = os.fdopen(read, encoding="utf-8", errors="replace")
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired("torchrun", timeout or 0.0)
+        return self._process.exitcode
+
+    def kill(self) -> None:
+        self._process.kill()
+
+
+def _run_torchrun(
+    argv: list[str], env: dict[str, str], pipe: multiprocessing.connection.Connection
+) -> None:
+    """In the forked child: what ``python -m torch.distributed.run ARGV`` does."""
+    os.setsid()  # a process group of its own, as Popen(start_new_session=True)
+    for fd in (1, 2):  # the launcher's and the workers' output into the pipe
+        os.dup2(pipe.fileno(), fd)
+    pipe.close()
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+    os.environ.clear()
+    os.environ.update(env)
+    code = 0
+    try:
+        from torch.distributed.run import main
+
+        main(argv)
+    except SystemExit as exit_:
+        code = (
+            exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+        )
+    except Exception:  # noqa: BLE001 - reported, as python reports an uncaught one
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no module teardown: the launcher's work is done
+
+
+def _start(
+    cmd: list[str], env: Mapping[str, str]
+) -> subprocess.Popen[str] | _ForkedTorchrun:
+    """Start ``cmd``: torchrun from the forkserver where that is safe, else anew.
+
+    Safe means Linux, and a caller with no main script: a forkserver's child
+    imports the caller's ``__main__`` file again, which a script without an
+    ``if __name__ == "__main__":`` guard does not survive. A notebook kernel,
+    a REPL and pytest-xdist's workers have none.
+    """
+    torchrun = cmd[1:3] == ["-m", "torch.distributed.run"]
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    if torchrun and sys.platform == "linux" and main_file is None:
+        return _ForkedTorchrun(cmd[3:], env)
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+
+
+def stop_process_group(
+    proc: subprocess.Popen[str] | _ForkedTorchrun, grace: float = 5.0
+) -> None:
     """Stop ``proc`` and every process it started: SIGTERM, then SIGKILL."""
     if proc.poll() is not None and os.name != "posix":
         return
@@ -195,14 +295,7 @@ def launch(
                 *argv,
             ]
         tail: collections.deque[str] = collections.deque(maxlen=20)
-        proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=child_env,
-            start_new_session=True,
-        )
+        proc = _start(cmd, child_env)
         timed_out = threading.Event()
 
         def on_timeout() -> None:

@@ -3,14 +3,18 @@
 The two-process runs happen inside a real Jupyter kernel, as in a notebook.
 """
 
+import subprocess
+import sys
 import textwrap
 import time
+import types
 from pathlib import Path
 
 import psutil
 import pytest
 from jupyter_client.manager import start_new_kernel
 
+from companion.devices import cpu_count
 from companion.launch import LaunchError, LaunchTimeout, gpus_for, launch, script_path
 
 HANG = str(Path(__file__).parent / "scripts" / "hang.py")
@@ -38,6 +42,44 @@ def alive(pids: set[int]) -> set[int]:
         for p in pids
         if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
     }
+
+
+@pytest.fixture
+def no_main_script(monkeypatch):
+    """What a notebook kernel looks like to ``launch``: a ``__main__`` with no file."""
+    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))
+
+
+def test_from_a_notebook_torchrun_starts_from_the_forkserver(no_main_script, capsys):
+    launching = sys.modules["companion.launch"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--help"]
+    proc = launching._start(cmd, {})
+    assert isinstance(
+        proc, launching._ForkedTorchrun if sys.platform == "linux" else subprocess.Popen
+    )
+    assert "usage:" in proc.stdout.read() and proc.wait() == 0
+    out = launch(ECHO, ["a"], nproc=2, timeout=120, env={"COURSE_TEST_VALUE": "42"})
+    assert out["argv"] == ["a"] and out["env"]["COURSE_TEST_VALUE"] == "42"
+    assert out["env"]["OMP_NUM_THREADS"] == str(max(1, cpu_count() // 2))
+    assert capsys.readouterr().out.count("echo_env: 1 extra argument(s)") == 2
+
+
+def test_from_a_notebook_a_failure_and_a_time_out_read_as_before(
+    no_main_script, tmp_path
+):
+    with pytest.raises(LaunchError, match="hang.py failed with exit code 1"):
+        launch(HANG, ["--pid-dir", str(tmp_path), "--fail"], nproc=2, timeout=60)
+    with pytest.raises(LaunchTimeout, match="hang.py did not finish within 10 s"):
+        launch(HANG, ["--pid-dir", str(tmp_path)], nproc=2, timeout=10)
+    pids = recorded_pids(tmp_path)
+    assert len(pids) == 3  # two workers and the launcher forked from the server
+    assert not alive(pids)
+
+
+def test_from_a_script_torchrun_starts_anew():
+    launching = sys.modules["companion.launch"]
+    proc = launching._start([sys.executable, "-c", "pass"], {})
+    assert isinstance(proc, subprocess.Popen) and proc.wait() == 0
 
 
 def test_plain_python_runs_one_process():
