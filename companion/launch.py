@@ -11,11 +11,13 @@ is left running; the JSON results file comes back as a dict.
 
 Start-up: a new ``python -m torch.distributed.run`` spends about 2 s importing
 torch before it starts a worker, and more than half a second tearing its
-modules down at the end. On Linux, ``launch`` therefore runs torchrun's own
-``main`` in a process forked from a ``multiprocessing`` forkserver that has
-imported it once: the same launcher, started in milliseconds, from a notebook
-or a REPL (see ``_start``). Elsewhere, and from a script, it starts
-``python -m torch.distributed.run``.
+modules down at the end. From a notebook or a REPL on Linux, ``launch``
+therefore runs torchrun's own ``main`` in a process forked from a
+``multiprocessing`` forkserver that has imported it: the same launcher, which
+starts in milliseconds from the second launch on (the first starts the server).
+The server, an idle process, stays until the kernel ends. From a script, on
+macOS or on Windows, ``launch`` starts ``python -m torch.distributed.run``
+(see ``_start``).
 
 Devices: the scripts give each process a GPU of its own when the node has one
 per process, and refuse a node with too few. ``launch`` therefore runs on the
@@ -111,10 +113,12 @@ class _ForkedTorchrun:
 
     It offers what ``launch`` and ``stop_process_group`` use of a ``Popen``:
     ``pid``, ``stdout`` (the launcher's and its workers' output, one pipe),
-    ``poll``, ``wait`` and ``kill``.
+    ``poll``, ``wait`` and ``kill``. Raises ``OSError`` where no forkserver
+    can start (no Unix sockets, say).
     """
 
     def __init__(self, argv: list[str], env: Mapping[str, str]) -> None:
+        pinned = multiprocessing.get_start_method(allow_none=True)
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(["torch.distributed.run"])  # once per server
         read, write = os.pipe()
@@ -122,19 +126,30 @@ class _ForkedTorchrun:
         self._process = context.Process(
             target=_run_torchrun, args=(argv, dict(env), pipe)
         )
-        self._process.start()
-        pipe.close()  # the child holds its own copy: EOF once it and its workers end
+        try:
+            self._process.start()
+        except BaseException:
+            os.close(read)
+            raise
+        finally:
+            pipe.close()  # the child has its own copy: EOF once it and its workers end
+            if pinned is None:  # starting a Process pins the default start method
+                multiprocessing.set_start_method(None, force=True)  # unpin it
         self.pid = self._process.pid
         self.stdout = os.fdopen(read, encoding="utf-8", errors="replace")
+        self._lock = threading.Lock()  # a time-out's thread may wait beside launch's
 
     def poll(self) -> int | None:
-        return self._process.exitcode
+        with self._lock:
+            return self._process.exitcode
 
     def wait(self, timeout: float | None = None) -> int:
-        self._process.join(timeout)
-        if self._process.exitcode is None:
+        with self._lock:
+            self._process.join(timeout)
+            code = self._process.exitcode
+        if code is None:
             raise subprocess.TimeoutExpired("torchrun", timeout or 0.0)
-        return self._process.exitcode
+        return code
 
     def kill(self) -> None:
         self._process.kill()
@@ -143,7 +158,13 @@ class _ForkedTorchrun:
 def _run_torchrun(
     argv: list[str], env: dict[str, str], pipe: multiprocessing.connection.Connection
 ) -> None:
-    """In the forked child: what ``python -m torch.distributed.run ARGV`` does."""
+    """In the forked child: what ``python -m torch.distributed.run ARGV`` does.
+
+    One difference: torch's modules were imported in the forkserver, under the
+    environment of the first launch, so variables read at import time
+    (``LOGLEVEL``, ``TORCH_CPP_LOG_LEVEL``) passed in ``env`` reach the
+    workers but not this launcher.
+    """
     os.setsid()  # a process group of its own, as Popen(start_new_session=True)
     for fd in (1, 2):  # the launcher's and the workers' output into the pipe
         os.dup2(pipe.fileno(), fd)
@@ -158,9 +179,11 @@ def _run_torchrun(
 
         main(argv)
     except SystemExit as exit_:
-        code = (
-            exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
-        )
+        if isinstance(exit_.code, int) or exit_.code is None:
+            code = exit_.code or 0
+        else:  # a message, which python prints before it exits with 1
+            print(exit_.code, file=sys.stderr)
+            code = 1
     except Exception:  # noqa: BLE001 - reported, as python reports an uncaught one
         traceback.print_exc()
         code = 1
@@ -174,15 +197,24 @@ def _start(
 ) -> subprocess.Popen[str] | _ForkedTorchrun:
     """Start ``cmd``: torchrun from the forkserver where that is safe, else anew.
 
-    Safe means Linux, and a caller with no main script: a forkserver's child
-    imports the caller's ``__main__`` file again, which a script without an
-    ``if __name__ == "__main__":`` guard does not survive. A notebook kernel,
-    a REPL and pytest-xdist's workers have none.
+    Safe means Linux (Windows has no forkserver; on macOS, forking a process
+    that has imported torch is not safe), and a caller with no main script: a
+    forkserver's child imports the caller's ``__main__`` file again, which a
+    script without an ``if __name__ == "__main__":`` guard does not survive.
+    A notebook kernel, a REPL and pytest-xdist's workers have none.
+
+    The forkserver is the process's one server: if something else started it
+    first (a ``DataLoader`` with ``multiprocessing_context="forkserver"``, or
+    Python 3.14's default start method), it has not imported torchrun, and
+    each launch imports it again, as a new process would.
     """
     torchrun = cmd[1:3] == ["-m", "torch.distributed.run"]
     main_file = getattr(sys.modules.get("__main__"), "__file__", None)
     if torchrun and sys.platform == "linux" and main_file is None:
-        return _ForkedTorchrun(cmd[3:], env)
+        try:
+            return _ForkedTorchrun(cmd[3:], env)
+        except OSError:  # no forkserver here: a new process still works
+            pass
     return subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
@@ -193,6 +225,23 @@ def _start(
     )
 
 
+def _signal_group(proc: subprocess.Popen[str] | _ForkedTorchrun, sig: int) -> None:
+    """Send ``sig`` to the process group that ``proc`` leads, else to ``proc``.
+
+    A forked launcher becomes its group's leader a moment after it starts; a
+    process that has exited and been waited for is left alone (its pid may
+    be another's by now).
+    """
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        if proc.poll() is None:
+            try:
+                os.kill(proc.pid, sig)
+            except ProcessLookupError:  # it ended in between
+                pass
+
+
 def stop_process_group(
     proc: subprocess.Popen[str] | _ForkedTorchrun, grace: float = 5.0
 ) -> None:
@@ -201,17 +250,14 @@ def stop_process_group(
         return
     try:
         if os.name == "posix":
-            os.killpg(proc.pid, signal.SIGTERM)
+            _signal_group(proc, signal.SIGTERM)
         else:
             proc.terminate()
         proc.wait(timeout=grace)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
+    except subprocess.TimeoutExpired:
         pass
-    if os.name == "posix":
-        try:  # children may outlive torchrun's own exit: kill the group regardless
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    if os.name == "posix":  # children may outlive torchrun's exit: kill the group
+        _signal_group(proc, signal.SIGKILL)
     else:
         proc.kill()
     proc.wait()

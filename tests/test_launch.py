@@ -3,6 +3,7 @@
 The two-process runs happen inside a real Jupyter kernel, as in a notebook.
 """
 
+import multiprocessing
 import subprocess
 import sys
 import textwrap
@@ -50,36 +51,70 @@ def no_main_script(monkeypatch):
     monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))
 
 
-def test_from_a_notebook_torchrun_starts_from_the_forkserver(no_main_script, capsys):
-    launching = sys.modules["companion.launch"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--help"]
+@pytest.fixture
+def main_script(monkeypatch):
+    """What a reader's script looks like to ``launch``: a ``__main__`` file."""
+    main = types.ModuleType("__main__")
+    main.__file__ = __file__
+    monkeypatch.setitem(sys.modules, "__main__", main)
+
+
+TORCHRUN_HELP = [sys.executable, "-m", "torch.distributed.run", "--help"]
+
+
+def started_with(cmd: list[str]) -> type:
+    """The kind of process ``_start`` starts for ``cmd`` (run to its end)."""
+    launching = sys.modules["companion.launch"]  # the module, not the function
     proc = launching._start(cmd, {})
-    assert isinstance(
-        proc, launching._ForkedTorchrun if sys.platform == "linux" else subprocess.Popen
-    )
     assert "usage:" in proc.stdout.read() and proc.wait() == 0
+    return type(proc)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the forkserver path is Linux's")
+def test_from_a_notebook_torchrun_starts_from_the_forkserver(no_main_script, capsys):
+    assert started_with(TORCHRUN_HELP).__name__ == "_ForkedTorchrun"
     out = launch(ECHO, ["a"], nproc=2, timeout=120, env={"COURSE_TEST_VALUE": "42"})
     assert out["argv"] == ["a"] and out["env"]["COURSE_TEST_VALUE"] == "42"
     assert out["env"]["OMP_NUM_THREADS"] == str(max(1, cpu_count() // 2))
     assert capsys.readouterr().out.count("echo_env: 1 extra argument(s)") == 2
 
 
-def test_from_a_notebook_a_failure_and_a_time_out_read_as_before(
-    no_main_script, tmp_path
+@pytest.mark.slow  # the same Popen path as from a script, below
+def test_on_macos_torchrun_starts_anew(no_main_script, monkeypatch):
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert started_with(TORCHRUN_HELP) is subprocess.Popen
+
+
+def test_from_a_script_torchrun_starts_anew(main_script):
+    assert started_with(TORCHRUN_HELP) is subprocess.Popen
+
+
+@pytest.mark.parametrize(
+    "caller",
+    ["no_main_script", pytest.param("main_script", marks=pytest.mark.slow)],
+)
+def test_a_failure_and_a_time_out_read_the_same_from_either_start(
+    caller, request, tmp_path, capsys
 ):
+    request.getfixturevalue(caller)
     with pytest.raises(LaunchError, match="hang.py failed with exit code 1"):
         launch(HANG, ["--pid-dir", str(tmp_path), "--fail"], nproc=2, timeout=60)
+    assert "ChildFailedError" in capsys.readouterr().out  # torchrun's own report
     with pytest.raises(LaunchTimeout, match="hang.py did not finish within 10 s"):
         launch(HANG, ["--pid-dir", str(tmp_path)], nproc=2, timeout=10)
     pids = recorded_pids(tmp_path)
-    assert len(pids) == 3  # two workers and the launcher forked from the server
+    assert len(pids) == 3  # two workers and the launcher
     assert not alive(pids)
 
 
-def test_from_a_script_torchrun_starts_anew():
-    launching = sys.modules["companion.launch"]
-    proc = launching._start([sys.executable, "-c", "pass"], {})
-    assert isinstance(proc, subprocess.Popen) and proc.wait() == 0
+def test_a_launch_leaves_the_start_method_unset(no_main_script):
+    before = multiprocessing.get_start_method(allow_none=True)
+    multiprocessing.set_start_method(None, force=True)  # as in a fresh kernel
+    try:
+        launch(ECHO, nproc=2, timeout=120)
+        assert multiprocessing.get_start_method(allow_none=True) is None
+    finally:
+        multiprocessing.set_start_method(before, force=True)
 
 
 def test_plain_python_runs_one_process():
