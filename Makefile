@@ -39,7 +39,7 @@ test-portable: $(STAMP)
 
 # On a machine with CUDA GPUs: every script under torchrun on nccl, every chapter
 # executed with its verdicts compared to the stored CPU ones, the CUDA-only
-# tests (tools/gpu_check.py); every log in _build/gpu. 5.4 minutes on one H100
+# tests (tools/gpu_check.py); every log in _build/gpu. 6.5 minutes on one H100
 # with 16 cores and GPU_ARGS="--jobs 4" (scripts and chapters 4 at a time).
 GPU_ARGS ?=
 test-gpu: $(STAMP)

@@ -17,7 +17,7 @@ therefore runs torchrun's own ``main`` in a process forked from a
 starts in milliseconds from the second launch on (the first starts the server).
 The server, an idle process, stays until the kernel ends. From a script, on
 macOS or on Windows, ``launch`` starts ``python -m torch.distributed.run``
-(see ``_start``).
+(see ``start_launcher``).
 
 Devices: the scripts give each process a GPU of its own when the node has one
 per process, and refuse a node with too few. ``launch`` therefore runs on the
@@ -25,7 +25,7 @@ GPUs when there are at least as many as processes, and otherwise hides them
 (``CUDA_VISIBLE_DEVICES=""``), so that the run uses the CPU; a chapter that
 compares runs with different process counts passes the same ``gpus=`` to each
 (``gpus_for(1, 2, 4)``), so that they all ran on the same kind of device.
-Used in chapters 08, 09 and 11 to 15.
+Used in chapters 08, 09 and 11 to 16.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ __all__ = [
     "gpus_for",
     "launch",
     "script_path",
+    "start_launcher",
     "stop_process_group",
 ]
 
@@ -192,10 +193,15 @@ def _run_torchrun(
     os._exit(code)  # no module teardown: the launcher's work is done
 
 
-def _start(
+def start_launcher(
     cmd: list[str], env: Mapping[str, str]
 ) -> subprocess.Popen[str] | _ForkedTorchrun:
-    """Start ``cmd``: torchrun from the forkserver where that is safe, else anew.
+    """Start ``cmd``, its output in ``.stdout``: ``[sys.executable, "-m",
+    "torch.distributed.run", ...]`` from the forkserver where that is safe,
+    anything else (another interpreter's torchrun too) as a new process.
+
+    The forked launcher offers only what ``launch`` and ``stop_process_group``
+    use of a ``Popen``: ``pid``, ``stdout``, ``poll``, ``wait`` and ``kill``.
 
     Safe means Linux (Windows has no forkserver; on macOS, forking a process
     that has imported torch is not safe), and a caller with no main script: a
@@ -208,7 +214,7 @@ def _start(
     Python 3.14's default start method), it has not imported torchrun, and
     each launch imports it again, as a new process would.
     """
-    torchrun = cmd[1:3] == ["-m", "torch.distributed.run"]
+    torchrun = cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
     main_file = getattr(sys.modules.get("__main__"), "__file__", None)
     if torchrun and sys.platform == "linux" and main_file is None:
         try:
@@ -341,7 +347,7 @@ def launch(
                 *argv,
             ]
         tail: collections.deque[str] = collections.deque(maxlen=20)
-        proc = _start(cmd, child_env)
+        proc = start_launcher(cmd, child_env)
         timed_out = threading.Event()
 
         def on_timeout() -> None:

@@ -10,7 +10,6 @@ Every result carries the hardware it was measured on. Used in chapters 05 to 11.
 from __future__ import annotations
 
 import math
-import os
 import statistics
 import time
 import timeit

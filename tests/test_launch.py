@@ -16,6 +16,7 @@ import pytest
 from jupyter_client.manager import start_new_kernel
 
 from companion.devices import cpu_count
+from companion.failures import run_torchrun
 from companion.launch import LaunchError, LaunchTimeout, gpus_for, launch, script_path
 
 HANG = str(Path(__file__).parent / "scripts" / "hang.py")
@@ -63,9 +64,9 @@ TORCHRUN_HELP = [sys.executable, "-m", "torch.distributed.run", "--help"]
 
 
 def started_with(cmd: list[str]) -> type:
-    """The kind of process ``_start`` starts for ``cmd`` (run to its end)."""
+    """The kind of process ``start_launcher`` starts for ``cmd`` (run to its end)."""
     launching = sys.modules["companion.launch"]  # the module, not the function
-    proc = launching._start(cmd, {})
+    proc = launching.start_launcher(cmd, {})
     assert "usage:" in proc.stdout.read() and proc.wait() == 0
     return type(proc)
 
@@ -87,6 +88,27 @@ def test_on_macos_torchrun_starts_anew(no_main_script, monkeypatch):
 
 def test_from_a_script_torchrun_starts_anew(main_script):
     assert started_with(TORCHRUN_HELP) is subprocess.Popen
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the forkserver path is Linux's")
+def test_another_python_s_torchrun_starts_anew(no_main_script, tmp_path):
+    other = tmp_path / "python"  # another interpreter: a stub that says it ran
+    other.write_text('#!/bin/sh\necho "the other python: $*"\n')
+    other.chmod(0o755)
+    launching = sys.modules["companion.launch"]
+    proc = launching.start_launcher([str(other), *TORCHRUN_HELP[1:]], {})
+    assert proc.stdout.read() == "the other python: -m torch.distributed.run --help\n"
+    assert proc.wait() == 0 and type(proc) is subprocess.Popen
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the forkserver path is Linux's")
+def test_run_torchrun_from_the_forkserver_stops_a_hang(no_main_script, tmp_path):
+    run = run_torchrun(HANG, ["--pid-dir", str(tmp_path)], timeout=8)
+    assert run.timed_out and run.returncodes[0] != 0
+    assert "rank 1 waiting" in run.text  # what was printed before the time-out
+    pids = recorded_pids(tmp_path)
+    assert len(pids) == 3  # two workers and the launcher
+    assert not alive(pids)
 
 
 @pytest.mark.parametrize(

@@ -117,7 +117,7 @@ def test_help_shows_launch_lines_and_exit_codes(path, monkeypatch, capsys):
     except SystemExit as exited:
         assert exited.code == 0
     text = capsys.readouterr().out
-    assert f"torchrun --standalone --nproc-per-node=" in text
+    assert "torchrun --standalone --nproc-per-node=" in text
     assert "srun" in text and "Exit codes:" in text and "--timeout" in text
 
 
