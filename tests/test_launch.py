@@ -101,6 +101,7 @@ def test_another_python_s_torchrun_starts_anew(no_main_script, tmp_path):
     assert proc.wait() == 0 and type(proc) is subprocess.Popen
 
 
+@pytest.mark.slow  # the forked launcher's time-out also runs in the test below
 @pytest.mark.skipif(sys.platform != "linux", reason="the forkserver path is Linux's")
 def test_run_torchrun_from_the_forkserver_stops_a_hang(no_main_script, tmp_path):
     run = run_torchrun(HANG, ["--pid-dir", str(tmp_path)], timeout=8)
