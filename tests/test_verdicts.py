@@ -261,7 +261,7 @@ def load(cores: float, available: int = 2) -> SimpleNamespace:
     return SimpleNamespace(cores=cores, available=available)
 
 
-def test_check_not_faster_with_others_excuses_a_loss_only_where_a_core_was_held():
+def test_check_not_faster_with_others_excuses_a_loss_only_where_others_took_an_eighth():
     faster = timing(1.0), timing(1.5)  # the candidate is clearly faster
     quiet = check_not_faster("n", *faster, others=load(0.02))
     assert quiet.claim == "n, or other programs took 1/8 of the cores"
@@ -269,8 +269,11 @@ def test_check_not_faster_with_others_excuses_a_loss_only_where_a_core_was_held(
     assert quiet.evidence == "1.50×, noise ±5%; other programs: 0.02 of 2 cores"
     held = check_not_faster("n", *faster, others=load(HELD_SHARE * 2))
     assert held.holds and held.evidence.endswith("; excused by their load")
-    # A held core can slow all threads by any factor (a time slice per product).
+    # A held core can slow all threads by any factor (slices at every fork and join),
     assert check_not_faster("n", timing(1.0), timing(5.0), others=load(1.0)).holds
+    # but not below an eighth of the cores, and never on a quiet machine.
+    assert not check_not_faster("n", *faster, others=load(HELD_SHARE * 2 - 0.01)).holds
+    assert not check_not_faster("n", timing(1.0), timing(5.0), others=load(0.0)).holds
     # The share scales with the cores: 0.3 of 16 cores excuses nothing.
     assert not check_not_faster("n", *faster, others=load(0.3, 16)).holds
     assert check_not_faster("n", timing(1.5), timing(1.0), others=load(0.0)).holds
