@@ -61,6 +61,7 @@ if TYPE_CHECKING:
         check_not_faster,
         check_range,
         check_speed_ups_at_most,
+        check_unless_loaded,
         compare_speed,
     )
 
@@ -85,6 +86,7 @@ _EXPORTS = {
     "check_not_faster": "companion.verdicts",
     "check_range": "companion.verdicts",
     "check_speed_ups_at_most": "companion.verdicts",
+    "check_unless_loaded": "companion.verdicts",
     "compare_speed": "companion.verdicts",
     "cpu_count": "companion.devices",
     "describe_hardware": "companion.devices",
@@ -148,6 +150,7 @@ __all__ = [
     "check_not_faster",
     "check_range",
     "check_speed_ups_at_most",
+    "check_unless_loaded",
     "compare_speed",
     "cpu_count",
     "describe_hardware",

@@ -50,9 +50,14 @@ def synchronize() -> None:
 
 
 def format_time(seconds: float) -> str:
-    """Format a duration with a unit that keeps 3 significant digits: ``12.3 ms``."""
+    """Format a duration with a unit that keeps 3 significant digits: ``12.3 ms``.
+
+    A negative one (a difference of two times) keeps its sign: ``-2.73 ms``.
+    """
     if not math.isfinite(seconds):
         return "n/a"
+    if seconds < 0:
+        return f"-{format_time(-seconds)}"
     seconds = float(f"{seconds:.3g}")  # 999.7 us rounds to 1 ms, not "1e+03 us"
     for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
         if seconds >= scale:
@@ -161,12 +166,18 @@ class OtherLoad:
     something only where ``cores`` is a small share of ``available``: two
     intra-op threads on two cores, one of which another program holds, run
     slower than one.
+
+    With ``tree``, a process, the program is that process and all its
+    descendants instead: the ranks of a job (``tree`` the launcher's agent,
+    ``psutil.Process(os.getppid())`` in a rank started by ``torchrun``) do not
+    count as each other's other programs.
     """
 
     _FIELDS = ("user", "nice", "system", "irq", "softirq", "steal", "interrupt", "dpc")
 
-    def __init__(self) -> None:
+    def __init__(self, tree: psutil.Process | None = None) -> None:
         self.cores = math.nan  # measured when the block ends
+        self._tree = tree  # None: this process alone
         per_core = psutil.cpu_times(percpu=True)
         try:
             mine = set(psutil.Process().cpu_affinity())
@@ -177,6 +188,13 @@ class OtherLoad:
         self._mine = mine & set(range(len(per_core)))
         self.available = len(self._mine)
 
+    @classmethod
+    def measured(cls, cores: float, available: int) -> OtherLoad:
+        """A measurement made elsewhere (a launched script's), as ``OtherLoad``."""
+        load = cls()
+        load.cores, load.available = cores, available
+        return load
+
     def _busy(self) -> tuple[float, float, float]:
         """(wall clock, busy seconds of the watched cores, this process's CPU time)."""
         per_core = psutil.cpu_times(percpu=True)
@@ -185,8 +203,25 @@ class OtherLoad:
             for core in self._mine
             for field in self._FIELDS
         )
-        own = psutil.Process().cpu_times()
-        return time.perf_counter(), busy, own.user + own.system
+        return time.perf_counter(), busy, self._own_cpu_time()
+
+    def _own_cpu_time(self) -> float:
+        """CPU seconds of the program: ``tree`` and its descendants, or this process."""
+        if self._tree is None:
+            own = psutil.Process().cpu_times()
+            return own.user + own.system
+        total = 0.0
+        try:
+            processes = [self._tree, *self._tree.children(recursive=True)]
+        except psutil.Error:  # the tree's root has ended
+            return total
+        for process in processes:
+            try:
+                times = process.cpu_times()
+            except psutil.Error:  # ended meanwhile: its time is lost to both ends
+                continue
+            total += times.user + times.system
+        return total
 
     def __enter__(self) -> OtherLoad:
         self._start = self._busy()

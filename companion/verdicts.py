@@ -43,6 +43,7 @@ __all__ = [
     "check_not_faster",
     "check_range",
     "check_speed_ups_at_most",
+    "check_unless_loaded",
     "compare_speed",
 ]
 
@@ -232,14 +233,30 @@ def check_not_faster(
     c = compare_speed(candidate, reference)
     if others is None:
         return check(claim, c.outcome != "faster", c.evidence)
+    return check_unless_loaded(claim, c.outcome != "faster", c.evidence, others)
+
+
+def check_unless_loaded(
+    claim: str, holds: bool, evidence: str, others: OtherLoad
+) -> Verdict:
+    """``check(claim, holds, evidence)``, excused where other programs took the cores.
+
+    For a claim that holds only on cores the measured program has to itself
+    (a cost model of processes that wait for each other, a comparison of
+    thread counts): it reads "..., or other programs took 1/8 of the cores",
+    and holds too where ``others`` (what ``OtherLoad`` measured meanwhile)
+    took at least ``HELD_SHARE`` of them. A process that waits for a peer
+    whose core another program holds waits a scheduler slice or more, each
+    time, and no fixed factor bounds that. The verdict can still fail where
+    other programs took less, which is where it is tested.
+    """
     held = others.cores >= HELD_SHARE * others.available
-    holds = c.outcome != "faster" or held
     load = f"other programs: {others.cores:.2f} of {others.available} cores"
-    excused = "; excused by their load" if c.outcome == "faster" and holds else ""
+    excused = "; excused by their load" if held and not holds else ""
     return check(
         f"{claim}, or other programs took {Fraction(HELD_SHARE)} of the cores",
-        holds,
-        f"{c.evidence}; {load}{excused}",
+        holds or held,
+        f"{evidence}; {load}{excused}",
     )
 
 

@@ -110,6 +110,9 @@ def check_ddp_results(results: dict) -> None:
         "0.01 MiB", "1 MiB", "default",
     }  # fmt: skip
     assert {r["bytes"] for r in results["all_reduce"]} == {4096 * 4**k for k in range(7)}
+    assert all(r["seconds"] > 0 for r in results["all_reduce"])  # timed with the steps
+    load = results["other_load"]  # the ranks are one program, not each other's load
+    assert load["available"] >= 1 and 0 <= load["cores"] <= load["available"] + 0.1
     for v in results["step"].values():  # each round's time, the slowest rank's
         assert len(v["rounds"]) == ROUNDS
         assert v["median"] == pytest.approx(statistics.median(v["rounds"]))

@@ -37,6 +37,7 @@ from companion.timing import (
         (4.56e-5, "45.6 us"),
         (1e-6, "1 us"),
         (7e-8, "70 ns"),
+        (-2.73e-3, "-2.73 ms"),  # a difference of two times
         (math.nan, "n/a"),
         (math.inf, "n/a"),
     ],
@@ -487,6 +488,7 @@ def fake_cores(
     process = SimpleNamespace(
         cpu_times=lambda: SimpleNamespace(user=next(mine), system=0.0),
         cpu_affinity=(lambda: affinity) if affinity is not None else None,
+        children=lambda recursive: [],
     )
     if affinity is None:
         del process.cpu_affinity  # as on macOS
@@ -515,6 +517,24 @@ def test_other_load_leaves_out_this_processs_own_threads(monkeypatch):
     with OtherLoad() as others:
         pass
     assert others.cores == 0.5  # 2 busy core-seconds, 1.5 of them this process's
+
+
+def test_other_load_with_a_tree_counts_its_descendants_as_the_program(monkeypatch):
+    """The ranks of a job are one program: with ``tree``, their time is not others'."""
+    fake_cores(monkeypatch, [[0.0, 0.0], [0.0, 0.0], [1.0, 1.0]])
+    ranks = [iter([0.0, 0.75]), iter([0.0, 0.75])]
+    agent = SimpleNamespace(
+        cpu_times=lambda: SimpleNamespace(user=0.0, system=0.0),
+        children=lambda recursive: [
+            SimpleNamespace(
+                cpu_times=lambda r=r: SimpleNamespace(user=next(r), system=0)
+            )
+            for r in ranks
+        ],
+    )
+    with OtherLoad(tree=agent) as others:
+        pass
+    assert others.cores == 0.5  # 2 busy core-seconds, 1.5 of them the ranks'
 
 
 def test_other_load_is_unknown_until_the_block_ends():

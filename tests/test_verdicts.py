@@ -16,6 +16,7 @@ from companion.verdicts import (
     check_not_faster,
     check_range,
     check_speed_ups_at_most,
+    check_unless_loaded,
     compare_speed,
 )
 
@@ -277,3 +278,14 @@ def test_check_not_faster_with_others_excuses_a_loss_only_where_others_took_an_e
     # The share scales with the cores: 0.3 of 16 cores excuses nothing.
     assert not check_not_faster("n", *faster, others=load(0.3, 16)).holds
     assert check_not_faster("n", timing(1.5), timing(1.0), others=load(0.0)).holds
+
+
+def test_check_unless_loaded_excuses_a_failed_claim_only_under_a_load():
+    quiet = check_unless_loaded("c", False, "2.5×", load(0.1))
+    assert quiet.claim == "c, or other programs took 1/8 of the cores"
+    assert not quiet.holds
+    assert quiet.evidence == "2.5×; other programs: 0.10 of 2 cores"
+    loaded = check_unless_loaded("c", False, "2.5×", load(0.25))
+    assert loaded.holds and loaded.evidence.endswith("; excused by their load")
+    held = check_unless_loaded("c", True, "1.1×", load(1.0))
+    assert held.holds and held.evidence == "1.1×; other programs: 1.00 of 2 cores"

@@ -13,22 +13,23 @@ then, on the first two ranks (the others wait, and on a CPU the two take
 their cores: ``cpu_count() // 2`` threads each), on the course GPT
 (``companion.gpt``), each process with its own batch:
 
-2. all-reduces of 4 KiB to 16 MiB between the two, for the fit the DDP
-   model uses;
-3. the plain model's forward and backward passes, with the moment each
+2. the plain model's forward and backward passes, with the moment each
    gradient is ready (a hook on each parameter; CUDA events on a GPU);
-4. a step (forward and backward) of DDP for every ``--caps`` bucket size and
+3. a step (forward and backward) of DDP for every ``--caps`` bucket size and
    DDP's default, of the default under ``no_sync()`` (no communication), of
    the default beside an all-reduce of all the gradients' bytes started as
-   the backward pass starts, and that all-reduce alone: the variants take
-   turns round after round, in an order rotated each round; the buckets DDP
-   built after its first step; each round's time of the slowest rank, with
-   their median and IQR;
-5. ``--traces`` profiled steps of the default DDP: the intervals of
+   the backward pass starts, that all-reduce alone, and blocks of
+   all-reduces of 4 KiB to 16 MiB for the fit the DDP model uses: the
+   variants take turns round after round, in an order rotated each round;
+   the buckets DDP built after its first step; each round's time of the
+   slowest rank, with their median and IQR (per call for the all-reduces'
+   blocks); what other programs took of the cores meanwhile
+   (``companion.timing.OtherLoad``, the ranks counted as one program);
+4. ``--traces`` profiled steps of the default DDP: the intervals of
    computation and of the backend's all-reduces, and the communication left
    exposed, from the rank that finished its backward pass last; every step's
    exposed time, and the intervals of the median step;
-6. with ``--compile``: a GPT of ``--compile-layers`` blocks under
+5. with ``--compile``: a GPT of ``--compile-layers`` blocks under
    ``torch.compile`` (graphs split at the buckets by DDP's optimizer) and
    under compiled autograd (the all-reduces traced into the backward
    graph), their graphs counted, their losses beside eager DDP's, a step of
@@ -51,6 +52,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -59,13 +61,14 @@ from companion.checking import DeviceClock
 from companion.comm_costs import exposed_communication
 from companion.devices import cpu_count
 from companion.gpt import GPT, GPTConfig, lm_loss
+from companion.timing import OtherLoad
 from companion.scripts import collective_bench
 from companion.scripts.collective_bench import (
     fail,
     make_call,
     setup_distributed,
+    calls_per_block,
     sync,
-    time_calls,
     where_it_ran,
 )
 
@@ -256,16 +259,14 @@ def median_trace(traces: list[dict]) -> dict:
 
 
 def ddp_part(args, rank: int, group, device) -> dict:
-    """Steps 2 to 5 of the module's list, on the ranks of ``group``."""
+    """Steps 2 to 4 of the module's list, on the ranks of ``group``."""
     n = dist.get_world_size(group)
     model = build_model(args.n_layer, args, device)
     x, y = batch(args, rank, device)
 
     sizes = [4096 * 4**k for k in range(7)]  # 4 KiB to 16 MiB
     calls, counted = zip(*(make_call("all_reduce", s, group, n, device) for s in sizes))
-    seconds = time_calls(calls, group, device, 0.005, args.rounds)
-    all_reduce = [{"kind": "all_reduce", "processes": n, "bytes": b, "seconds": t}
-                  for b, t in zip(counted, seconds)]  # fmt: skip
+    repeats = calls_per_block(calls, group, device, 0.005)
 
     # The slowest rank's backward pass, whole: the others wait for it.
     profiles: list = [None] * n
@@ -301,7 +302,19 @@ def ddp_part(args, rank: int, group, device) -> dict:
         "all-reduce alone": lambda: dist.all_reduce(gradients, group=group),
     }
     variants |= {name: (lambda d=d: step(d, x, y)) for name, d in ddps.items()}
+    # The fit's all-reduces take turns with the steps, so both meet the same load.
+    blocks = {f"all-reduce {b} B": (b, call, k)
+              for b, call, k in zip(counted, calls, repeats)}  # fmt: skip
+    variants |= {
+        name: (lambda call=call, k=k: [call() for _ in range(k)])
+        for name, (_, call, k) in blocks.items()
+    }
     measured = time_variants(variants, args.rounds, group, device)
+    all_reduce = [
+        {"kind": "all_reduce", "processes": n, "bytes": b,
+         "seconds": measured.pop(name)["median"] / k}
+        for name, (b, _, k) in blocks.items()
+    ]  # fmt: skip
     return {
         "device": device.type,
         "backend": dist.get_backend(group),
@@ -411,7 +424,13 @@ def main() -> None:
     if rank < 2:
         if device.type == "cpu":  # the two fill the cores, as a DDP job would
             torch.set_num_threads(max(1, cpu_count() // 2))
-        results["ddp"] = ddp_part(args, rank, pair, device)
+        # what other programs took meanwhile (the ranks of this job are one program)
+        with OtherLoad(tree=psutil.Process(os.getppid())) as others:
+            results["ddp"] = ddp_part(args, rank, pair, device)
+        results["ddp"]["other_load"] = {
+            "cores": others.cores,
+            "available": others.available,
+        }
         if args.compile:
             results["ddp"]["compiled"] = compiled_part(args, rank, pair, device)
     dist.barrier()  # the other ranks wait here

@@ -145,13 +145,9 @@ def make_call(kind, nbytes, group, n, device, dtype=torch.float32):
     return exchange, part.nbytes
 
 
-def time_calls(calls, group, device, block_s: float, blocks: int) -> list[float]:
-    """The slowest rank's median seconds per call of each of ``calls``.
-
-    The calls take turns, block by block (block r of every call before block
-    r + 1 of any), so a machine that slows down for a while slows all of them
-    alike and a fit across sizes stays fair.
-    """
+def calls_per_block(calls, group, device, block_s: float) -> list[int]:
+    """How many of each of ``calls`` fill ``block_s`` seconds (at least one), the
+    same count on every rank; each call runs twice, the first to warm up."""
     numbers = []
     for call in calls:
         call()  # warm-up: connections, buffers
@@ -162,6 +158,17 @@ def time_calls(calls, group, device, block_s: float, blocks: int) -> list[float]
         once = torch.tensor([time.perf_counter() - start], device=device)
         dist.all_reduce(once, op=dist.ReduceOp.MAX, group=group)  # same count on all
         numbers.append(max(1, int(block_s / max(once.item(), 1e-7))))
+    return numbers
+
+
+def time_calls(calls, group, device, block_s: float, blocks: int) -> list[float]:
+    """The slowest rank's median seconds per call of each of ``calls``.
+
+    The calls take turns, block by block (block r of every call before block
+    r + 1 of any), so a machine that slows down for a while slows all of them
+    alike and a fit across sizes stays fair.
+    """
+    numbers = calls_per_block(calls, group, device, block_s)
     per_call: list[list[float]] = [[] for _ in calls]
     for _ in range(blocks):
         for call, number, times in zip(calls, numbers, per_call):
