@@ -191,12 +191,16 @@ class OtherLoad:
     @classmethod
     def measured(cls, cores: float, available: int) -> OtherLoad:
         """A measurement made elsewhere (a launched script's), as ``OtherLoad``."""
-        load = cls()
-        load.cores, load.available = cores, available
+        load = cls.__new__(cls)  # reads nothing on this machine
+        load.cores, load.available, load._tree = cores, available, None
         return load
 
+    def as_dict(self) -> dict[str, float]:
+        """``cores`` and ``available``, for JSON (``measured(**d)`` reads it back)."""
+        return {"cores": self.cores, "available": self.available}
+
     def _busy(self) -> tuple[float, float, float]:
-        """(wall clock, busy seconds of the watched cores, this process's CPU time)."""
+        """(wall clock, busy seconds of the watched cores, the program's CPU time)."""
         per_core = psutil.cpu_times(percpu=True)
         busy = sum(
             getattr(per_core[core], field, 0.0)
@@ -210,17 +214,22 @@ class OtherLoad:
         if self._tree is None:
             own = psutil.Process().cpu_times()
             return own.user + own.system
-        total = 0.0
         try:
             processes = [self._tree, *self._tree.children(recursive=True)]
-        except psutil.Error:  # the tree's root has ended
-            return total
+        except psutil.Error:  # the root has ended: the program's time is unknown
+            return math.nan
+        total = 0.0
         for process in processes:
             try:
                 times = process.cpu_times()
-            except psutil.Error:  # ended meanwhile: its time is lost to both ends
+            except psutil.Error:  # ended between the two calls: its parent counts it
                 continue
-            total += times.user + times.system
+            # a descendant that ended and was reaped moves its time into its
+            # parent's children_* fields, which keep it in the total
+            total += sum(
+                getattr(times, field, 0.0)
+                for field in ("user", "system", "children_user", "children_system")
+            )
         return total
 
     def __enter__(self) -> OtherLoad:
@@ -229,8 +238,12 @@ class OtherLoad:
 
     def __exit__(self, *exc_info: object) -> None:
         (wall0, busy0, own0), (wall1, busy1, own1) = self._start, self._busy()
-        others = (busy1 - busy0) - (own1 - own0)
-        self.cores = max(0.0, others) / max(wall1 - wall0, 1e-9)
+        others = (busy1 - busy0) - (own1 - own0)  # NaN where the program's is unknown
+        self.cores = (
+            others
+            if math.isnan(others)
+            else max(0.0, others) / max(wall1 - wall0, 1e-9)
+        )
 
 
 @contextmanager

@@ -51,8 +51,9 @@ __all__ = [
 # between two runs of the same benchmark is larger than within one run.
 NOISE_FLOOR = 0.05
 # The share of this process's cores that other programs may take before a
-# comparison of thread counts stops being evidence (companion.timing.OtherLoad
-# measures it: a quarter of a core on two cores).
+# comparison of thread counts, or a cost model of processes that wait for each
+# other, stops being evidence (companion.timing.OtherLoad measures it: a
+# quarter of a core on two cores).
 HELD_SHARE = 0.125
 
 

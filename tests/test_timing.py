@@ -537,6 +537,31 @@ def test_other_load_with_a_tree_counts_its_descendants_as_the_program(monkeypatc
     assert others.cores == 0.5  # 2 busy core-seconds, 1.5 of them the ranks'
 
 
+def test_other_load_keeps_a_reaped_rank_s_time_and_is_unknown_without_its_root(
+    monkeypatch,
+):
+    fake_cores(monkeypatch, [[0.0, 0.0], [0.0, 0.0], [1.0, 1.0]])
+    reaped = iter([0.0, 1.5])  # a rank that ended: its time moved to its parent
+    agent = SimpleNamespace(
+        cpu_times=lambda: SimpleNamespace(
+            user=0.0, system=0.0, children_user=next(reaped), children_system=0.0
+        ),
+        children=lambda recursive: [],
+    )
+    with OtherLoad(tree=agent) as others:
+        pass
+    assert others.cores == 0.5
+
+    def ended(recursive: bool) -> list:
+        raise timing.psutil.NoSuchProcess(1)
+
+    fake_cores(monkeypatch, [[0.0, 0.0], [0.0, 0.0], [1.0, 1.0]])
+    gone = SimpleNamespace(cpu_times=lambda: None, children=ended)
+    with OtherLoad(tree=gone) as others:
+        pass
+    assert math.isnan(others.cores)  # so no verdict is excused by it
+
+
 def test_other_load_is_unknown_until_the_block_ends():
     assert math.isnan(OtherLoad().cores)
 

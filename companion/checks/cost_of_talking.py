@@ -7,7 +7,9 @@ load (and the processes start once):
 
 1. every collective of ``collective_bench.py``, timed by that script's own
    ``sweep`` in groups of ``--groups`` processes (the first n ranks), over
-   message sizes from ``--min-bytes`` to ``--max-bytes``;
+   message sizes from ``--min-bytes`` to ``--max-bytes``, and what other
+   programs took of the cores meanwhile (``companion.timing.OtherLoad``, the
+   ranks of the job counted as one program);
 
 then, on the first two ranks (the others wait, and on a CPU the two take
 their cores: ``cpu_count() // 2`` threads each), on the course GPT
@@ -22,13 +24,13 @@ their cores: ``cpu_count() // 2`` threads each), on the course GPT
    all-reduces of 4 KiB to 16 MiB for the fit the DDP model uses: the
    variants take turns round after round, in an order rotated each round;
    the buckets DDP built after its first step; each round's time of the
-   slowest rank, with their median and IQR (per call for the all-reduces'
-   blocks); what other programs took of the cores meanwhile
-   (``companion.timing.OtherLoad``, the ranks counted as one program);
+   slowest rank, with their median and IQR (for the all-reduces' blocks,
+   the median per call only);
 4. ``--traces`` profiled steps of the default DDP: the intervals of
    computation and of the backend's all-reduces, and the communication left
    exposed, from the rank that finished its backward pass last; every step's
-   exposed time, and the intervals of the median step;
+   exposed time, and the intervals of the median step; and what other
+   programs took of the cores over steps 2 to 4, as in 1;
 5. with ``--compile``: a GPT of ``--compile-layers`` blocks under
    ``torch.compile`` (graphs split at the buckets by DDP's optimizer) and
    under compiled autograd (the all-reduces traced into the backward
@@ -336,7 +338,7 @@ def ddp_part(args, rank: int, group, device) -> dict:
 
 
 def compiled_part(args, rank: int, group, device) -> dict:
-    """Step 6: torch.compile with DDP's optimizer, and compiled autograd, against
+    """Step 5: torch.compile with DDP's optimizer, and compiled autograd, against
     eager DDP, on a GPT of ``--compile-layers`` blocks (compiling costs seconds)."""
     logging.getLogger("torch._dynamo").setLevel(logging.ERROR)
     graphs: list[dict] = []
@@ -416,21 +418,21 @@ def main() -> None:
         ["--groups", *map(str, args.groups), "--min-bytes", str(args.min_bytes),
          "--max-bytes", str(args.max_bytes)]
     )  # fmt: skip
+    job = psutil.Process(os.getppid())  # torchrun's agent: its children are the ranks
+    with OtherLoad(tree=job) as others:  # what other programs took meanwhile
+        measurements = collective_bench.sweep(bench, rank, world_size, device)
     results = {
         **where_it_ran(device),
-        "measurements": collective_bench.sweep(bench, rank, world_size, device),
+        "measurements": measurements,
+        "other_load": others.as_dict(),
     }
     pair = dist.group.WORLD if world_size == 2 else dist.new_group([0, 1])
     if rank < 2:
         if device.type == "cpu":  # the two fill the cores, as a DDP job would
             torch.set_num_threads(max(1, cpu_count() // 2))
-        # what other programs took meanwhile (the ranks of this job are one program)
-        with OtherLoad(tree=psutil.Process(os.getppid())) as others:
+        with OtherLoad(tree=job) as others:
             results["ddp"] = ddp_part(args, rank, pair, device)
-        results["ddp"]["other_load"] = {
-            "cores": others.cores,
-            "available": others.available,
-        }
+        results["ddp"]["other_load"] = others.as_dict()
         if args.compile:
             results["ddp"]["compiled"] = compiled_part(args, rank, pair, device)
     dist.barrier()  # the other ranks wait here
