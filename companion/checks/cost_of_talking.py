@@ -63,16 +63,16 @@ from companion.checking import DeviceClock
 from companion.comm_costs import exposed_communication
 from companion.devices import cpu_count
 from companion.gpt import GPT, GPTConfig, lm_loss
-from companion.timing import OtherLoad
 from companion.scripts import collective_bench
 from companion.scripts.collective_bench import (
+    calls_per_block,
     fail,
     make_call,
     setup_distributed,
-    calls_per_block,
     sync,
     where_it_ran,
 )
+from companion.timing import OtherLoad
 
 # torch 2.14 renamed DDP's broadcast_buffers (the old name warns there).
 NO_BUFFER_SYNC = (
