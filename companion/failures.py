@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from companion import fast_start
 from companion.launch import script_path, start_launcher, stop_process_group
 
 __all__ = [
@@ -117,7 +118,9 @@ def run_ranks(
     workers, but no agent watches them: when one fails, the others have
     ``grace`` seconds to print their own errors before they are stopped (an
     agent would stop them at once). After ``timeout`` seconds every process
-    is stopped and ``timed_out`` is set.
+    is stopped and ``timed_out`` is set. From a process with no ``__main__``
+    file on Linux (a notebook), with ``python`` left as this interpreter, each
+    rank is forked from a server that has imported torch (``fast_start``).
 
     Args:
         script: a path, or the name of a file in ``companion/scripts/``.
@@ -134,9 +137,21 @@ def run_ranks(
     """
     path = Path(script) if os.sep in str(script) else script_path(str(script))
     started = list(range(nproc)) if ranks is None else list(ranks)
+    # From a notebook, each rank forked from a preloaded Python (fast_start)
+    server = fast_start.address() if python == sys.executable else None
+    through = [] if server is None else [fast_start.CLIENT]
+    if server is not None:
+        env = {**(env or {}), fast_start.ADDRESS_VARIABLE: server}
     for _ in range(3):  # another program may take the free port before rank 0 does
         run = _run_ranks_once(
-            path, args, nproc, started, _child_env(env), timeout, grace, python, probe
+            [python, *through, str(path)],
+            args,
+            nproc,
+            started,
+            _child_env(env),
+            timeout,
+            grace,
+            probe,
         )
         if "EADDRINUSE" not in run.outputs[0]:
             break
@@ -144,14 +159,13 @@ def run_ranks(
 
 
 def _run_ranks_once(
-    path: Path,
+    command: list[str],
     args: Sequence[str],
     nproc: int,
     ranks: list[int],
     env: Mapping[str, str],
     timeout: float,
     grace: float,
-    python: str,
     probe: Callable[[], Any] | None,
 ) -> Run:
     port = str(_free_port())
@@ -171,7 +185,7 @@ def _run_ranks_once(
             with open(file, "w") as out:
                 procs.append(
                     subprocess.Popen(
-                        [python, str(path), *map(str, args)],
+                        [*command, *map(str, args)],
                         stdout=out,
                         stderr=subprocess.STDOUT,
                         env={**env, **rank_env},

@@ -19,6 +19,13 @@ The server, an idle process, stays until the kernel ends. From a script, on
 macOS or on Windows, ``launch`` starts ``python -m torch.distributed.run``
 (see ``start_launcher``).
 
+Each worker would then spend 1 to 2.5 s importing torch (and Dynamo, which
+DDP and DTensor load); four of them on two cores wait about 5 s. From a
+notebook or a REPL on Linux, ``launch`` therefore has torchrun (or plain
+``python``) start ``companion/fast_start.py SCRIPT ARGS`` instead of
+``SCRIPT ARGS``: a worker forked from a server that has imported torch takes
+the place of a new Python, in a fraction of a second (see ``fast_start``).
+
 Devices: the scripts give each process a GPU of its own when the node has one
 per process, and refuse a node with too few. ``launch`` therefore runs on the
 GPUs when there are at least as many as processes, and otherwise hides them
@@ -46,6 +53,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from companion import fast_start
 from companion.devices import cpu_count, num_gpus
 
 __all__ = [
@@ -331,11 +339,15 @@ def launch(
         **({} if use_gpus else {"CUDA_VISIBLE_DEVICES": ""}),
         **(env or {}),
     }
+    server = fast_start.address()  # workers forked from a preloaded Python
+    if server is not None:
+        child_env[fast_start.ADDRESS_VARIABLE] = server
+    through = [] if server is None else [fast_start.CLIENT]
     with tempfile.TemporaryDirectory(prefix="launch-") as tmp:
         results_file = Path(tmp) / "results.json"
         argv = [*map(str, args), *(["--results", str(results_file)] if results else [])]
         if nproc is None:
-            cmd = [sys.executable, str(path), *argv]
+            cmd = [sys.executable, *through, str(path), *argv]
         else:
             cmd = [
                 sys.executable,
@@ -343,6 +355,7 @@ def launch(
                 "torch.distributed.run",
                 "--standalone",
                 f"--nproc-per-node={nproc}",
+                *through,
                 str(path),
                 *argv,
             ]

@@ -168,9 +168,10 @@ class OtherLoad:
     slower than one.
 
     With ``tree``, a process, the program is that process and all its
-    descendants instead: the ranks of a job (``tree`` the launcher's agent,
-    ``psutil.Process(os.getppid())`` in a rank started by ``torchrun``) do not
-    count as each other's other programs.
+    descendants instead: the ranks of a job (``tree`` the process that started
+    them, ``psutil.Process(os.getppid())`` in a rank: ``torchrun``'s agent, or
+    the ``fast_start`` server that forked it) do not count as each other's
+    other programs.
     """
 
     _FIELDS = ("user", "nice", "system", "irq", "softirq", "steal", "interrupt", "dpc")

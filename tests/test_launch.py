@@ -24,11 +24,32 @@ ECHO = str(Path(__file__).parent / "scripts" / "echo_env.py")
 
 
 def recorded_pids(pid_dir: Path) -> set[int]:
-    """The pids the hang script's processes wrote, and their parents (the launcher)."""
+    """The pids the hang script's processes wrote, and their parents: the launcher,
+    or a ``fast_start`` server that forked them and stays for the next launch."""
     pids = set()
     for f in pid_dir.iterdir():
-        pids |= {int(f.name), int(f.read_text())}
+        pids.add(int(f.name))
+        parent = int(f.read_text())
+        if not is_fast_start_server(parent):
+            pids.add(parent)
     return pids
+
+
+def is_fast_start_server(pid: int) -> bool:
+    try:
+        return "--serve" in psutil.Process(pid).cmdline()
+    except psutil.NoSuchProcess:
+        return False
+
+
+def left_running(pid_dir: Path) -> set[int]:
+    """The recorded processes still running, and any process whose command line
+    names ``pid_dir``: a launcher, or a ``fast_start`` client in a worker's place."""
+    named = set()
+    for proc in psutil.process_iter(["cmdline"]):
+        if str(pid_dir) in " ".join(proc.info["cmdline"] or ()):
+            named.add(proc.pid)
+    return alive(recorded_pids(pid_dir) | named)
 
 
 def wait_for_files(pid_dir: Path, count: int, timeout: float = 60) -> None:
@@ -107,9 +128,8 @@ def test_run_torchrun_from_the_forkserver_stops_a_hang(no_main_script, tmp_path)
     run = run_torchrun(HANG, ["--pid-dir", str(tmp_path)], timeout=8)
     assert run.timed_out and run.returncodes[0] != 0
     assert "rank 1 waiting" in run.text  # what was printed before the time-out
-    pids = recorded_pids(tmp_path)
-    assert len(pids) == 3  # two workers and the launcher
-    assert not alive(pids)
+    assert len(list(tmp_path.iterdir())) == 2  # two workers
+    assert not left_running(tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -125,9 +145,8 @@ def test_a_failure_and_a_time_out_read_the_same_from_either_start(
     assert "ChildFailedError" in capsys.readouterr().out  # torchrun's own report
     with pytest.raises(LaunchTimeout, match="hang.py did not finish within 10 s"):
         launch(HANG, ["--pid-dir", str(tmp_path)], nproc=2, timeout=10)
-    pids = recorded_pids(tmp_path)
-    assert len(pids) == 3  # two workers and the launcher
-    assert not alive(pids)
+    assert len(list(tmp_path.iterdir())) == 2  # two workers
+    assert not left_running(tmp_path)
 
 
 def test_a_launch_leaves_the_start_method_unset(no_main_script):
@@ -264,9 +283,8 @@ def test_from_a_notebook_kernel(kernel, tmp_path):
     assert time.monotonic() - start < 40
     assert "LaunchTimeout: hang.py did not finish within 15 s" in out
     assert "Traceback" not in out  # one sentence, thanks to setup_notebook()
-    pids = recorded_pids(tmp_path)
-    assert len(pids) == 3  # two workers and the torchrun agent
-    assert not alive(pids)
+    assert len(list(tmp_path.iterdir())) == 2  # two workers
+    assert not left_running(tmp_path)
 
 
 def test_interrupting_the_kernel_leaves_no_process(kernel, tmp_path):
@@ -286,7 +304,7 @@ def test_interrupting_the_kernel_leaves_no_process(kernel, tmp_path):
         reply["content"]["status"] == "error"
         and reply["content"]["ename"] == "KeyboardInterrupt"
     )
-    assert not alive(recorded_pids(tmp_path))
+    assert not left_running(tmp_path)
 
 
 def test_gloos_peer_count_lines_are_left_out(tmp_path, capsys):

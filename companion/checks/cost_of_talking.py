@@ -418,7 +418,7 @@ def main() -> None:
         ["--groups", *map(str, args.groups), "--min-bytes", str(args.min_bytes),
          "--max-bytes", str(args.max_bytes)]
     )  # fmt: skip
-    job = psutil.Process(os.getppid())  # torchrun's agent: its children are the ranks
+    job = psutil.Process(os.getppid())  # the ranks' parent: torchrun's or fast_start
     with OtherLoad(tree=job) as others:  # what other programs took meanwhile
         measurements = collective_bench.sweep(bench, rank, world_size, device)
     results = {
