@@ -120,7 +120,8 @@ def run_ranks(
     agent would stop them at once). After ``timeout`` seconds every process
     is stopped and ``timed_out`` is set. From a process with no ``__main__``
     file on Linux (a notebook), with ``python`` left as this interpreter, each
-    rank is forked from a server that has imported torch (``fast_start``).
+    rank is forked from a server that has imported torch (``fast_start``),
+    unless a variable read at import differs from the server's.
 
     Args:
         script: a path, or the name of a file in ``companion/scripts/``.

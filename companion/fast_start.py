@@ -18,8 +18,9 @@ its zygote:
   exit code, or killed by the same signal). When the client dies, or the
   server ends, the worker's group is killed.
 
-torchrun, srun-like launchers and the scripts see the same exit codes, streams
-and signals as before; ``ps`` shows a worker under the server's command line,
+torchrun, srun-like launchers and the scripts see the same exit codes and
+streams as before, and the signals a launcher sends reach the worker's process
+group (its children too); ``ps`` shows a worker under the server's command line,
 and its pid is not the one its launcher knows (the client's). A worker differs
 from a new Python in what was decided at import: its thread count and
 ``TORCH_DISTRIBUTED_DEBUG`` are read again from its environment, its random
@@ -189,6 +190,8 @@ def serve(path: str, alive_fd: int) -> None:
     listener.listen(64)
     for name in PRELOAD:
         importlib.import_module(name)
+    if sys.modules["torch"].cuda.is_initialized():  # a fork could not use CUDA
+        startup_env = None  # every worker starts anew
     sys.stdout.flush()
     sys.stderr.flush()
     wake_read, wake_write = os.pipe()
@@ -231,7 +234,11 @@ def _accept(listener, startup_env, workers, selector, server_fds) -> None:
     try:
         message, fds, _, _ = socket.recv_fds(conn, MESSAGE_BYTES, 3)
         request = json.loads(message)  # an empty message (a client gone) fails here
-        differ = differs_at_import(startup_env, request["env"])
+        differ = (
+            ["CUDA, initialised in the server"]
+            if startup_env is None
+            else differs_at_import(startup_env, request["env"])
+        )
         if len(fds) != 3 or differ:
             print("a worker started anew; differing:", differ, flush=True)
             conn.send(json.dumps({"anew": True}).encode())

@@ -6,7 +6,8 @@ from ``companion/scripts/`` (what a reader copies to a cluster) or a check
 from ``companion/checks/`` (the course's measurements around a script's own
 functions), under ``python -m torch.distributed.run`` (torchrun) for several
 processes, or under plain ``python``. The output streams into the notebook as
-it runs; a time-out or an interrupt stops the whole process group, so nothing
+it runs; a time-out or an interrupt stops the whole process group (workers
+forked by ``fast_start`` go with their clients, which are in it), so nothing
 is left running; the JSON results file comes back as a dict.
 
 Start-up: a new ``python -m torch.distributed.run`` spends about 2 s importing
