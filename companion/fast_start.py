@@ -110,6 +110,14 @@ def differs_at_import(server: dict[str, str], worker: dict[str, str]) -> list[st
     return sorted(n for n in names if server.get(n) != worker.get(n))
 
 
+def exit_code(exit_: SystemExit) -> int:
+    """The status python exits with for this ``SystemExit``, its message printed."""
+    if isinstance(exit_.code, int) or exit_.code is None:
+        return exit_.code or 0
+    print(exit_.code, file=sys.stderr)  # a message: python prints it, exits with 1
+    return 1
+
+
 def _signal_group(pid: int, sig: int) -> None:
     """``sig`` to the group that ``pid`` leads, or to ``pid`` before it leads one."""
     for send in (os.killpg, os.kill):
@@ -363,11 +371,7 @@ def _become_and_run(request: dict, fds: list[int], close: list[int]) -> tuple[in
     try:
         runpy.run_path(os.path.abspath(script), run_name="__main__")
     except SystemExit as exit_:
-        if isinstance(exit_.code, int) or exit_.code is None:
-            code = exit_.code or 0
-        else:  # a message, which python prints before it exits with 1
-            print(exit_.code, file=sys.stderr)
-            code = 1
+        code = exit_code(exit_)
     except KeyboardInterrupt:
         traceback.print_exc()
         sig = signal.SIGINT

@@ -189,11 +189,7 @@ def _run_torchrun(
 
         main(argv)
     except SystemExit as exit_:
-        if isinstance(exit_.code, int) or exit_.code is None:
-            code = exit_.code or 0
-        else:  # a message, which python prints before it exits with 1
-            print(exit_.code, file=sys.stderr)
-            code = 1
+        code = fast_start.exit_code(exit_)
     except Exception:  # noqa: BLE001 - reported, as python reports an uncaught one
         traceback.print_exc()
         code = 1
