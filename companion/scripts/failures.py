@@ -26,6 +26,7 @@ Exit codes: 0 done; 1 crashed (where each bug ends, when it does not hang);
 """
 
 import argparse
+import atexit
 import datetime
 import faulthandler
 import gc
@@ -88,6 +89,10 @@ def setup_distributed(timeout_s: float = 600) -> tuple[int, int, int, torch.devi
         )
     except (dist.DistError, ValueError) as err:  # a busy port, a missing rank
         fail(f"the processes did not meet: {str(err).strip().splitlines()[0]}")
+    # A gloo group still alive when python exits can abort it (SIGABRT, pytorch#179291);
+    # destroying an nccl group waits for every rank, so nccl's is left to the exit.
+    if dist.get_backend() == "gloo":
+        atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
     return rank, local_rank, world_size, device
 
 
@@ -171,9 +176,8 @@ def check_replicas(model: nn.Module, step: int) -> None:
     leaves the sums equal.
     """
     names, params = zip(*model.named_parameters())
-    mine = torch.stack(
-        [torch.stack([p.double().norm(), p.double().sum()]) for p in params]
-    )
+    stats = [torch.stack([p.double().norm(), p.double().sum()]) for p in params]
+    mine = torch.stack(stats)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
     gathered = torch.stack(every).cpu()  # one copy to the host: [rank, param, 2]
@@ -238,12 +242,8 @@ def watch(loss: torch.Tensor, start: float, step: int, history: list, model) -> 
     seconds = time.perf_counter() - start
     local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
     finite = torch.stack([torch.isfinite(p).all() for p in local]).all()  # no sync
-    mine = torch.cat(
-        [
-            torch.tensor([value, seconds], dtype=torch.float64, device=loss.device),
-            finite.double().reshape(1),
-        ]
-    )
+    stats = torch.tensor([value, seconds], dtype=torch.float64, device=loss.device)
+    mine = torch.cat([stats, finite.double().reshape(1)])
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
     gathered = torch.stack(every).cpu()  # one copy to the host: [rank, 3]

@@ -27,6 +27,7 @@ Exit codes: 0 done; 1 crashed; 2 a bad launch or input, said in one sentence.
 """
 
 import argparse
+import atexit
 import codecs
 import contextlib
 import datetime
@@ -99,6 +100,10 @@ def setup_distributed(timeout_s: float = 600) -> tuple[int, int, int, torch.devi
         )
     except (dist.DistError, ValueError) as err:  # a busy port, a missing rank
         fail(f"the processes did not meet: {str(err).strip().splitlines()[0]}")
+    # A gloo group still alive when python exits can abort it (SIGABRT, pytorch#179291);
+    # destroying an nccl group waits for every rank, so nccl's is left to the exit.
+    if dist.get_backend() == "gloo":
+        atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
     return rank, local_rank, world_size, device
 
 

@@ -41,6 +41,7 @@ real GPU, so a forgotten reassignment shows. Written for
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import runpy
@@ -338,6 +339,9 @@ def install(node_gpus: int, listed: str | None) -> None:
                 f"a GPU process asked for the {backend} backend, not nccl"
             )
         original_init("gloo", *args, **kwargs)
+        # The script sees nccl, so it leaves the group to python's exit, where a
+        # gloo group can abort the process (pytorch#179291): destroy it first.
+        atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
         if device_id is not None:
             refuse_shared_gpus(device_id)
 
