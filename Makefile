@@ -27,12 +27,6 @@ book: $(STAMP)
 test: $(STAMP)
 	bash tools/run_tests.sh
 
-# The heavy multi-process tests that `make test` leaves out (4 processes, two
-# loopback nodes, and the scripts' multi-process equivalence tests, whose claims
-# the chapters' checks also show): about fifteen minutes more; CI runs both.
-test-slow: $(STAMP)
-	$(BIN)/pytest tests -m slow --durations=10
-
 # nbval again under another CPU kernel path and thread count (see the script).
 test-portable: $(STAMP)
 	bash tools/run_portable.sh
@@ -72,6 +66,13 @@ $(OLDEST)/.installed: requirements.txt requirements-nodeps.txt pyproject.toml
 
 test-oldest: $(STAMP) $(OLDEST)/.installed
 	bash tools/run_oldest.sh
+
+# The heavy multi-process tests that `make test` leaves out (4 processes, two
+# loopback nodes, and the scripts' multi-process equivalence tests, whose claims
+# the chapters' checks also show): about twenty minutes more; CI runs both. Some
+# run a script under both torches, so the oldest torch's environment comes first.
+test-slow: $(STAMP) $(OLDEST)/.installed
+	$(BIN)/pytest tests -m slow --durations=10
 
 # The built book in headless Chromium: images, links, console, block widths,
 # output blocks, progress bars, captions, offline math, launch buttons; and

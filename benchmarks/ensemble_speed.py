@@ -22,7 +22,13 @@ import sys
 import torch
 
 from companion.devices import try_gpu
-from companion.ensemble import SGD, Adam, benchmark_ensemble, format_speed_table, speed_verdicts
+from companion.ensemble import (
+    SGD,
+    Adam,
+    benchmark_ensemble,
+    format_speed_table,
+    speed_verdicts,
+)
 
 
 def parse_args() -> argparse.Namespace:

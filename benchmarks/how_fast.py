@@ -8,7 +8,8 @@
 It prints, for the machine it runs on (its GPU when there is one):
 
 1. the roofline: square products per dtype (float32, bfloat16, and TF32 on
-   a GPU), copy and triad on ``--stream-mib`` buffers, the balance point;
+   a GPU), copy and triad on ``--stream-mib`` buffers (at least twice the
+   caches' total), the balance point;
 2. the alpha-beta fit of every collective of
    ``companion/scripts/collective_bench.py`` for every group size from 2 to
    ``--processes``, with the held-out predictions (every other size is
@@ -39,7 +40,7 @@ from companion.comm_costs import (
     overlap_schedule,
 )
 from companion.devices import num_gpus, try_gpu
-from companion.hardware import UNKNOWN, bf16_matmul_support
+from companion.hardware import UNKNOWN, bf16_matmul_support, cache_bytes
 from companion.launch import gpus_for, launch
 from companion.roofline import measure_roofline
 from companion.timing import format_ratio, format_table, format_time, paired_difference
@@ -68,14 +69,16 @@ def roofline_part() -> None:
     slow_bf16 = device.type != "cuda" and bf16_matmul_support() in (None, UNKNOWN)
     sizes = {d: 16384 if device.type == "cuda" else 512 if d == "bfloat16" and slow_bf16
              else 2048 for d in dtypes}  # fmt: skip
+    # Buffers of at least twice the caches' total, so that memory serves them.
+    mib = max(ARGS.stream_mib, 2 * (cache_bytes(device) or 0) // 2**20)
     roof, _ = measure_roofline(
-        device=device, dtypes=dtypes, sizes=sizes,
-        stream_bytes=ARGS.stream_mib * 2**20, min_run_time=1.0,
+        device=device, dtypes=dtypes, sizes=sizes, stream_bytes=mib * 2**20,
+        min_run_time=1.0,
     )  # fmt: skip
     rows = [{"ceiling": f"{d} product, {sizes[d]} x {sizes[d]}",
              "rate": f"{roof.peaks[d] / 1e9:.4g} GFLOP/s"} for d in dtypes]
-    rows += [{"ceiling": f"copy, {ARGS.stream_mib} MiB", "rate": f"{roof.copy / 1e9:.4g} GB/s"},
-             {"ceiling": f"triad, {ARGS.stream_mib} MiB", "rate": f"{roof.triad / 1e9:.4g} GB/s"}]
+    rows += [{"ceiling": f"copy, {mib} MiB", "rate": f"{roof.copy / 1e9:.4g} GB/s"},
+             {"ceiling": f"triad, {mib} MiB", "rate": f"{roof.triad / 1e9:.4g} GB/s"}]
     print(format_table(rows, title="The roofline"))
     print(f"balance point (float32): {roof.balance():.3g} FLOP/byte")
 

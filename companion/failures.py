@@ -29,7 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from companion import fast_start
-from companion.launch import script_path, start_launcher, stop_process_group
+from companion.launch import (
+    free_port,
+    script_path,
+    start_launcher,
+    stop_process_group,
+)
 
 __all__ = [
     "BarrierReport",
@@ -79,12 +84,6 @@ class Run:
     def text(self) -> str:
         """All the output, rank after rank."""
         return "\n".join(self.outputs)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _child_env(env: Mapping[str, str] | None) -> dict[str, str]:
@@ -169,7 +168,7 @@ def _run_ranks_once(
     grace: float,
     probe: Callable[[], Any] | None,
 ) -> Run:
-    port = str(_free_port())
+    port = str(free_port())
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
         files = [Path(tmp, f"rank{rank}.txt") for rank in ranks]

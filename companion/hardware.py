@@ -17,6 +17,7 @@ Used in chapter 06 and cited by the chapters after it.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,7 @@ __all__ = [
     "bf16_matmul_support",
     "bf16_matmul_units",
     "cpu_flags",
+    "cache_bytes",
     "PeakEstimate",
     "MachineLimits",
     "read_cpu_clock",
@@ -61,6 +63,7 @@ UNKNOWN = (
 
 _CPUFREQ_MAX = "/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq"
 _CPUINFO = "/proc/cpuinfo"
+_CPU_SYSFS = "/sys/devices/system/cpu"
 
 
 def cpu_flags(cpuinfo: str | Path = _CPUINFO) -> set[str] | None:
@@ -141,6 +144,45 @@ def read_cpu_clock(
     except (OSError, ValueError, IndexError):
         pass
     return None, "the CPU clock could not be read on this system"
+
+
+def _cache_size_bytes(text: str) -> int:
+    """sysfs's cache size, such as ``32768K``, in bytes."""
+    text = text.strip()
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+    return int(text.rstrip("KMG")) * scale
+
+
+def cache_bytes(
+    device: torch.device | str = "cpu", sysfs: str | Path = _CPU_SYSFS
+) -> int | None:
+    """The caches' total that data can stay in: a GPU's L2, or on Linux every
+    data or unified cache level of the CPUs this process may run on, each
+    separate cache counted once (a chip of several dies has an L3 per die).
+    The levels are added up because most CPUs' caches are not inclusive: an
+    L3 holds lines the L2s do not. ``None`` where it cannot be read (macOS,
+    Windows). AMD's GPUs report their L2 alone, without the Infinity Cache."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).L2_cache_size
+    if device.type != "cpu":
+        return None
+    caches: dict[tuple[str, str], int] = {}  # (level, CPUs sharing it) -> bytes
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+    for cpu in cpus:
+        for index in Path(sysfs, f"cpu{cpu}", "cache").glob("index*"):
+            try:
+                if (index / "type").read_text().strip() == "Instruction":
+                    continue
+                level = (index / "level").read_text().strip()
+                shared = (index / "shared_cpu_list").read_text().strip()
+                caches[level, shared] = _cache_size_bytes((index / "size").read_text())
+            except (OSError, ValueError):
+                continue
+    return sum(caches.values()) or None
 
 
 def _physical_cores() -> int:

@@ -45,6 +45,7 @@ import multiprocessing.connection
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -60,6 +61,7 @@ from companion.devices import cpu_count, num_gpus
 __all__ = [
     "LaunchError",
     "LaunchTimeout",
+    "free_port",
     "gpus_for",
     "launch",
     "script_path",
@@ -107,6 +109,17 @@ def script_path(name: str) -> Path:
             f"There is no script {name!r} in {path.parent}; available: {available}."
         )
     return path
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now, for a group's ``MASTER_PORT``.
+
+    Another program can take it before the group binds it; the launches that
+    use it are short, and a taken port ends in the scripts' one sentence.
+    """
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def gpus_for(*nprocs: int | None) -> bool:

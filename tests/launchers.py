@@ -1,8 +1,8 @@
 """What the script tests share to launch processes as a launcher would.
 
 ``LAUNCHER``: the variables torchrun and srun set, which a test removes from
-its own environment before it sets them for a case. ``free_port``: a port
-for a rendezvous. ``two_agents``: a script (or a check) under two torchrun
+its own environment before it sets them for a case. ``free_port``
+(``companion.launch``'s): a port for a rendezvous. ``two_agents``: a script (or a check) under two torchrun
 agents that meet at a c10d rendezvous on 127.0.0.1, one process each: two
 "nodes" on one machine. ``one_sentence_under_torchrun``: a bad launch under
 torchrun, and what a reader sees of it.
@@ -13,12 +13,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
-from companion.launch import script_path
+from companion.launch import free_port, script_path
 
 ROOT_CAUSE = "Root Cause (first observed failure):"
 SIMULATED_GPU = Path(__file__).parent / "scripts" / "simulated_gpu.py"
@@ -28,13 +27,6 @@ LAUNCHER = (
     "MASTER_PORT", "GROUP_RANK", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS",
     "SLURM_NTASKS_PER_NODE", "SLURM_NODEID",
 )  # fmt: skip
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def clean_environment(**extra: str) -> dict[str, str]:

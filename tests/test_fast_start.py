@@ -27,6 +27,18 @@ REPORT = """
 """
 
 
+@pytest.fixture(scope="module", autouse=True)
+def a_server_of_this_module():
+    """End a server that another test file of this pytest-xdist worker started:
+    it holds that moment's environment, and a worker whose variables read at
+    import differ from it starts anew, which these tests would misread."""
+    if fast_start._server is not None:
+        process, _, alive = fast_start._server
+        os.close(alive)  # the server ends when this pipe closes
+        process.wait(timeout=60)
+        fast_start._server = None
+
+
 @pytest.fixture
 def server(monkeypatch) -> str:
     """The server's address, as a notebook kernel (a ``__main__`` with no file) gets it."""

@@ -37,7 +37,13 @@ def test_conditions_set_what_they_promise(monkeypatch):
                       "ATEN_CPU_CAPABILITY": "default"}  # fmt: skip
     # torch.compile's C++ does not build on the scalar path: compile chapters keep
     # a vectorised one (AVX2 on an AVX-512 CPU, else the CPU's own)
-    assert fh.condition_env("scalar", True).get("ATEN_CPU_CAPABILITY") in (None, "avx2")
+    compiled = fh.condition_env("scalar", True)
+    assert compiled.get("ATEN_CPU_CAPABILITY") in (None, "avx2")
+    # under avx2, with an Inductor cache of its own (not the AVX-512 kernels')
+    if compiled.get("ATEN_CPU_CAPABILITY") == "avx2":
+        assert compiled["TORCHINDUCTOR_CACHE_DIR"].endswith(
+            "torchinductor_portable_avx2"
+        )
     with pytest.raises(ValueError, match="Unknown condition 'hot'"):
         fh.condition_env("hot", False)
 

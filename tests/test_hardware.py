@@ -363,3 +363,45 @@ def test_compare_against_limits():
         "matmul vs peak: unknown, only measured numbers are reported",
         "Measured on: test",
     ]
+
+
+def fake_cache(
+    root, cpu: int, index: int, level: int, kind: str, size: str, shared: str
+):
+    folder = root / f"cpu{cpu}" / "cache" / f"index{index}"
+    folder.mkdir(parents=True)
+    fields = {"level": level, "type": kind, "size": size, "shared_cpu_list": shared}
+    for name, value in fields.items():
+        (folder / name).write_text(f"{value}\n")
+
+
+def test_cache_bytes_adds_every_data_level_once_over_the_cpus_it_may_use(
+    tmp_path, monkeypatch
+):
+    # Four CPUs, each with its own L1d and L2, on two dies of 32 MiB L3 each;
+    # CPU 3 is not this process's; instruction caches do not count.
+    for cpu in range(4):
+        fake_cache(tmp_path, cpu, 0, 1, "Data", "48K", str(cpu))
+        fake_cache(tmp_path, cpu, 1, 1, "Instruction", "32K", str(cpu))
+        fake_cache(tmp_path, cpu, 2, 2, "Unified", "1024K", str(cpu))
+        fake_cache(
+            tmp_path, cpu, 3, 3, "Unified", "32768K", "0-1" if cpu < 2 else "2-3"
+        )
+    monkeypatch.setattr(hardware.os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    per_core = 48 * 2**10 + 2**20
+    assert hardware.cache_bytes("cpu", tmp_path) == 3 * per_core + 64 * 2**20
+    monkeypatch.setattr(hardware.os, "sched_getaffinity", lambda pid: {1})
+    assert hardware.cache_bytes("cpu", tmp_path) == per_core + 32 * 2**20
+    assert hardware.cache_bytes("cpu", tmp_path / "missing") is None
+
+
+def test_cache_bytes_skips_a_level_it_cannot_read(tmp_path, monkeypatch):
+    fake_cache(tmp_path, 0, 0, 1, "Data", "48K", "0")
+    fake_cache(tmp_path, 0, 1, 2, "Unified", "not a size", "0")
+    monkeypatch.setattr(hardware.os, "sched_getaffinity", lambda pid: {0})
+    assert hardware.cache_bytes("cpu", tmp_path) == 48 * 2**10
+
+
+def test_cache_bytes_of_this_machine_is_a_plausible_size():
+    size = hardware.cache_bytes()
+    assert size is None or 2**18 <= size <= 2**33

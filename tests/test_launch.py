@@ -4,6 +4,7 @@ The two-process runs happen inside a real Jupyter kernel, as in a notebook.
 """
 
 import multiprocessing
+import socket
 import subprocess
 import sys
 import textwrap
@@ -17,7 +18,14 @@ from jupyter_client.manager import start_new_kernel
 
 from companion.devices import cpu_count
 from companion.failures import run_torchrun
-from companion.launch import LaunchError, LaunchTimeout, gpus_for, launch, script_path
+from companion.launch import (
+    LaunchError,
+    LaunchTimeout,
+    free_port,
+    gpus_for,
+    launch,
+    script_path,
+)
 
 HANG = str(Path(__file__).parent / "scripts" / "hang.py")
 ECHO = str(Path(__file__).parent / "scripts" / "echo_env.py")
@@ -330,3 +338,11 @@ def test_gpus_false_hides_the_gpus_and_checks_resolve_by_name():
     if not gpus_for(2):  # this machine has fewer than 2 GPUs
         with pytest.raises(ValueError, match="gpus=True needs a GPU for each of the 2"):
             launch(ECHO, nproc=2, gpus=True)
+
+
+def test_a_free_port_can_be_bound_and_listened_on():
+    port = free_port()
+    assert 1024 <= port <= 65535
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+        s.listen()

@@ -19,8 +19,8 @@ import ast
 import datetime
 import json
 import os
-import socket
 import runpy
+import socket
 import subprocess
 import sys
 import time

@@ -26,8 +26,9 @@ right rank and the right collective or cause:
   still crashes, fr_trace still fails on gloo's dumps;
 - the lines chapter 15's exercises quote are what the script prints;
 - the same diagnoses under the oldest torch the course supports, where that
-  environment exists (``make test-oldest`` builds .venv-oldest; another
-  interpreter: ``COURSE_OLDEST_PYTHON``), launched from this one.
+  environment exists (``make test-slow`` and ``make test-oldest`` build
+  .venv-oldest; another interpreter: ``COURSE_OLDEST_PYTHON``), launched from
+  this one.
 
 Two launches run in ``make test`` (a few seconds each); the rest are marked
 slow. No test waits for a default time-out: every hang ends within seconds.
@@ -75,7 +76,7 @@ SCRIPT = ROOT / "companion" / "scripts" / "failures.py"
 OLD_PYTHON = os.environ.get(
     "COURSE_OLDEST_PYTHON", str(ROOT / ".venv-oldest" / "bin" / "python")
 )
-# make test-oldest's stamp: its environment is complete (an install that broke
+# The oldest environment's stamp: it is complete (an install that broke
 # off leaves a python without torch).
 OLD_READY = (
     "COURSE_OLDEST_PYTHON" in os.environ

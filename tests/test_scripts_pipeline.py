@@ -318,8 +318,9 @@ def test_interleaved_counts_are_judged_without_bytes() -> None:
 def test_bad_input_is_one_sentence(
     args, world_size, expected, monkeypatch, capsys
 ) -> None:
-    run = lambda: pipeline_gpt.parse_args(args)
-    err = refusal(run, monkeypatch, capsys, world_size, NAME)
+    err = refusal(
+        lambda: pipeline_gpt.parse_args(args), monkeypatch, capsys, world_size, NAME
+    )
     assert err == f"{NAME}: error: {expected}\n"
 
 

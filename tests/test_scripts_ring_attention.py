@@ -25,7 +25,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from launchers import one_sentence_under_torchrun
 
 from companion.launch import launch

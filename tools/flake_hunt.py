@@ -71,6 +71,10 @@ def condition_env(condition: str, compiled: bool) -> dict[str, str]:
             env["ATEN_CPU_CAPABILITY"] = "default"
         elif "avx512f" in Path("/proc/cpuinfo").read_text():
             env["ATEN_CPU_CAPABILITY"] = "avx2"
+            # A cache of its own, as tools/run_portable.sh explains: a kernel
+            # cached under AVX-512 computed garbage when loaded under "avx2".
+            tmp = os.environ.get("TMPDIR", "/tmp")
+            env["TORCHINDUCTOR_CACHE_DIR"] = f"{tmp}/torchinductor_portable_avx2"
         return env
     if condition == "oversubscribed":
         return {"OMP_NUM_THREADS": str(2 * cores())}

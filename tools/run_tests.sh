@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The test command behind `make test` (and CI): unit and script tests, nbval
-# over every notebook, the book build with warnings as errors and its browser
-# check. It prints how long each part took.
+# The test command behind `make test` (and CI): the linter, unit and script
+# tests, nbval over every notebook, the book build with warnings as errors and
+# its browser check. It prints how long each part took.
 set -u
 cd "$(dirname "$0")/.."
 BIN=.venv/bin
@@ -38,6 +38,7 @@ book() {
 # (marked slow) run in `make test-slow`; CI runs both. The unit and script
 # tests run two at a time (pytest-xdist), a file at a time per worker, so that
 # a module's costly fixture starts its processes once.
+step "lint (ruff check: pyproject.toml's rules)" $BIN/ruff check --quiet .
 book_log=$(mktemp)
 set -m  # the book's job in a process group of its own, to stop on an interrupt
 book > "$book_log" 2>&1 &
