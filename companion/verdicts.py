@@ -244,7 +244,8 @@ def check_unless_loaded(
 
     For a claim that holds only on cores the measured program has to itself
     (a cost model of processes that wait for each other, a comparison of
-    thread counts): it reads "..., or other programs took 1/8 of the cores",
+    thread counts, a speed-up of threads that each wait at a join for a held
+    core): it reads "..., or other programs took 1/8 of the cores",
     and holds too where ``others`` (what ``OtherLoad`` measured meanwhile)
     took at least ``HELD_SHARE`` of them. A process that waits for a peer
     whose core another program holds waits a scheduler slice or more, each
