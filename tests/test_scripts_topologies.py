@@ -42,9 +42,12 @@ import pytest
 import torch
 from launchers import clean_environment, free_port
 
+from companion.launch import script_path
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "companion" / "scripts"
 SIMULATED_GPU = ROOT / "tests" / "scripts" / "simulated_gpu.py"
+DDP_GONE = ROOT / "tests" / "scripts" / "ddp_gone_at_destroy.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 # A few steps of each script: enough to get past the first.
 TINY = {
@@ -158,3 +161,33 @@ def test_every_script_runs_on_the_gpus_of_every_launch(
 def test_every_script_has_tiny_settings_here():
     scripts = {p.name for p in SCRIPTS.glob("*.py") if p.name != "__init__.py"}
     assert set(TINY) == scripts, "give a new script its few steps in TINY"
+
+
+DDP_CHECKS = {
+    "checks/ddp_scaling.py": [*TINY["ddp_resnet.py"], "--timing-rounds", "1"],
+    "checks/cost_of_talking.py": ["--n-layer", "1", "--n-embd", "32", "--seq-len", "8",
+                                  "--caps", "1", "--rounds", "3", "--traces", "3",
+                                  "--max-bytes", "4096", "--min-bytes", "1024"],
+}  # fmt: skip
+DDP_USERS = sorted(
+    [p.name for p in SCRIPTS.glob("*.py") if "DistributedDataParallel(" in p.read_text()
+     or "DistributedDataParallel as DDP" in p.read_text()] + list(DDP_CHECKS)
+)  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("script", DDP_USERS)
+def test_every_ddp_script_drops_its_model_before_it_destroys_its_group(
+    script, tmp_path
+):
+    """A DDP model alive at ``destroy_process_group()`` can hang the process
+    (tests/scripts/ddp_gone_at_destroy.py says how); the wrapper exits with 3
+    if one is."""
+    args = DDP_CHECKS.get(script, TINY.get(script))
+    command = [*TORCHRUN, "--standalone", "--nproc-per-node=2", str(DDP_GONE),
+               str(script_path(script)), *args]  # fmt: skip
+    env = clean_environment(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run(command, env=env, capture_output=True, text=True,
+                          cwd=tmp_path, timeout=280)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]

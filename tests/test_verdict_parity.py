@@ -144,3 +144,23 @@ def test_parallel_streams_run_pinned_kernels_and_keep_each_copy(tmp_path):
     assert "| one | 0 | it holds | yes | yes | same |" in table.read_text()
     # unpinned, each kernel sees every core: the verdict flips and the run fails
     assert vp.main([*map(str, paths), "--table", str(table)]) == 1
+
+
+@pytest.mark.slow
+def test_a_cell_that_raises_is_named_and_the_cells_after_it_count_as_absent(
+    tmp_path, capsys
+):
+    """The stored outputs are cleared before the run: a verdict in a cell after
+    the one that raised is absent, not read back from the stored notebook."""
+    nb = notebook("✓ first: yes\n", "", "✓ after: yes\n")
+    nb.cells[0].source = "print('✓ first: yes')"
+    nb.cells[1].source = "import sys; print('to stderr', file=sys.stderr); 1 / 0"
+    nb.cells[2].source = "print('✓ after: yes')"
+    path = tmp_path / "ch.ipynb"
+    nbformat.write(nb, path)
+    assert vp.main([str(path), "--table", str(tmp_path / "table.md")]) == 1
+    said = capsys.readouterr().out
+    assert ("FAILED ch: cell 1: ZeroDivisionError: division by zero "
+            "(its stderr ends: to stderr)") in said  # fmt: skip
+    table = (tmp_path / "table.md").read_text()
+    assert "| ch | 2 | after | yes | absent | FAILED |" in table

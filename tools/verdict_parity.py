@@ -169,8 +169,15 @@ def kernel_manager(
 def execute(
     path: Path, python: str, timeout: float, cores: list[int] | None = None
 ) -> tuple[nbformat.NotebookNode, str]:
-    """Run a copy of the notebook in a fresh kernel; return it and the error, if any."""
+    """Run a copy of the notebook in a fresh kernel; return it and the error, if any.
+
+    The stored outputs are cleared first: a cell after one that raised keeps
+    none, so its verdicts count as absent, not as the stored ones.
+    """
     nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
     with tempfile.TemporaryDirectory() as tmp:
         client = NotebookClient(
             nb,
@@ -181,9 +188,35 @@ def execute(
         try:
             client.execute()
         except CellExecutionError as err:
-            lines = [line for line in str(err).splitlines() if line.strip()]
-            return nb, lines[-1] if lines else "a cell raised"
+            return nb, describe_error(nb, err)
     return nb, ""
+
+
+def describe_error(nb: nbformat.NotebookNode, err: CellExecutionError) -> str:
+    """One line: the cell that raised, the exception, and the cell's last stderr line.
+
+    The stderr line matters where the kernel could not format the traceback
+    (IPython then prints it to stderr and sends none).
+    """
+    index = next(
+        (i for i, c in enumerate(nb.cells)
+         if any(o.output_type == "error" for o in c.get("outputs", []))),
+        None,
+    )  # fmt: skip
+    if index is None:  # no error output: the last cell that ran
+        index = max(
+            (i for i, c in enumerate(nb.cells) if c.get("execution_count")), default=-1
+        )
+    stderr = [
+        line.strip()
+        for o in (nb.cells[index].get("outputs", []) if index >= 0 else [])
+        if o.output_type == "stream" and o.name == "stderr"
+        for line in o.text.splitlines()
+        if line.strip()
+    ]
+    where = f"cell {index}: " if index >= 0 else ""
+    said = f" (its stderr ends: {stderr[-1]})" if stderr else ""
+    return f"{where}{err.ename}: {err.evalue}{said}"
 
 
 def stored_seconds(path: Path) -> float:

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import inspect
 import json
 import logging
@@ -438,6 +439,7 @@ def main() -> None:
     dist.barrier()  # the other ranks wait here
     if rank == 0 and args.results:
         Path(args.results).write_text(json.dumps(results, indent=1))
+    gc.collect()  # DDP's reducer (a reference cycle) goes before its group: a hang else
     dist.destroy_process_group()
 
 

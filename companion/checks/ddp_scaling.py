@@ -17,6 +17,7 @@ script's results with ``timing`` (and ``also_timing``) and ``ddp_buckets``
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -132,6 +133,8 @@ def main() -> None:
         results = {**results, "data": name, "timing": timing, **extra_timing}
         results["ddp_buckets"] = buckets
         Path(args.results).write_text(json.dumps(results, indent=1))
+    del ddp_model
+    gc.collect()  # DDP's reducer (a reference cycle) goes before its group: a hang else
     dist.destroy_process_group()
 
 

@@ -21,6 +21,7 @@ Exit codes: 0 done; 1 crashed; 2 a bad launch or input, said in one sentence.
 import argparse
 import atexit
 import datetime
+import gc
 import json
 import os
 import sys
@@ -310,8 +311,10 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
     _, results = train(args, train_set, test_set, device)
+    del _  # the DDP model
     if rank == 0 and args.results:
         Path(args.results).write_text(json.dumps({**results, "data": name}, indent=1))
+    gc.collect()  # DDP's reducer (a reference cycle) goes before its group: a hang else
     dist.destroy_process_group()
 
 

@@ -23,6 +23,7 @@ Exit codes: 0 done; 1 crashed; 2 a bad launch or input, said in one sentence.
 import argparse
 import atexit
 import datetime
+import gc
 import itertools
 import json
 import math
@@ -313,6 +314,8 @@ def train(args: argparse.Namespace) -> None:
         )
         if args.results:
             Path(args.results).write_text(json.dumps(results, indent=1))
+    del ddp
+    gc.collect()  # DDP's reducer (a reference cycle) goes before its group: a hang else
     dist.destroy_process_group()
 
 

@@ -30,6 +30,7 @@ Exit codes: 0 done; 1 crashed; 2 a bad launch or input, said in one sentence.
 import argparse
 import atexit
 import datetime
+import gc
 import json
 import os
 import sys
@@ -301,6 +302,8 @@ def main() -> None:
         if args.results:
             with open(args.results, "w") as f:
                 json.dump({**where_it_ran(device), "losses": losses}, f)
+    del model, optimizer
+    gc.collect()  # DDP's reducer (a reference cycle) goes before its group: a hang else
     dist.destroy_process_group()
 
 
