@@ -33,20 +33,34 @@ from companion.ensemble import (
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", type=int, nargs="+", default=[8, 32, 128])  # ensemble sizes
-    parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")  # optimiser
-    parser.add_argument("--threads", type=int, default=1)  # intra-op threads (compile and timing)
-    parser.add_argument("--min-run-time", type=float, default=1.0)  # seconds of timing per entry
+    parser.add_argument(
+        "--models", type=int, nargs="+", default=[8, 32, 128]
+    )  # ensemble sizes
+    parser.add_argument(
+        "--optimizer", choices=["sgd", "adam"], default="sgd"
+    )  # optimiser
+    parser.add_argument(
+        "--threads", type=int, default=1
+    )  # intra-op threads (compile and timing)
+    parser.add_argument(
+        "--min-run-time", type=float, default=1.0
+    )  # seconds of timing per entry
     parser.add_argument("--mode", default=None)  # torch.compile mode; None = "default"
-    parser.add_argument("--target", type=float, default=5.0)  # wanted speed-up over the module loop
-    parser.add_argument("--target-from", type=int, default=32)  # check it from this many models
+    parser.add_argument(
+        "--target", type=float, default=5.0
+    )  # wanted speed-up over the module loop
+    parser.add_argument(
+        "--target-from", type=int, default=32
+    )  # check it from this many models
     return parser.parse_args()
 
 
 def main() -> None:
     args = parse_args()
     if min(args.models) < 1 or args.threads < 1 or args.min_run_time <= 0:
-        sys.exit("--models and --threads need positive numbers, --min-run-time a positive time.")
+        sys.exit(
+            "--models and --threads need positive numbers, --min-run-time a positive time."
+        )
     # torch.compile logs "No CUDA runtime is found" on CPU-only machines.
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     torch.set_num_threads(args.threads)
@@ -61,7 +75,9 @@ def main() -> None:
         device=device,
     )
     print(format_speed_table(rows))
-    for verdict in speed_verdicts(rows, target=args.target, from_models=args.target_from):
+    for verdict in speed_verdicts(
+        rows, target=args.target, from_models=args.target_from
+    ):
         print(verdict)
 
 

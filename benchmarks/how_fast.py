@@ -63,22 +63,42 @@ def parse_args() -> argparse.Namespace:
 
 def roofline_part() -> None:
     device = try_gpu()
-    dtypes = ("float32", "tf32", "bfloat16") if device.type == "cuda" else ("float32", "bfloat16")
+    dtypes = (
+        ("float32", "tf32", "bfloat16")
+        if device.type == "cuda"
+        else ("float32", "bfloat16")
+    )
     # Without bfloat16 units a CPU converts every element, tens of times slower
     # than float32: a smaller bfloat16 product keeps its timing to seconds.
     slow_bf16 = device.type != "cuda" and bf16_matmul_support() in (None, UNKNOWN)
-    sizes = {d: 16384 if device.type == "cuda" else 512 if d == "bfloat16" and slow_bf16
-             else 2048 for d in dtypes}  # fmt: skip
+    sizes = {
+        d: 16384
+        if device.type == "cuda"
+        else 512
+        if d == "bfloat16" and slow_bf16
+        else 2048
+        for d in dtypes
+    }
     # Buffers of at least twice the caches' total, so that memory serves them.
     mib = max(ARGS.stream_mib, 2 * (cache_bytes(device) or 0) // 2**20)
     roof, _ = measure_roofline(
-        device=device, dtypes=dtypes, sizes=sizes, stream_bytes=mib * 2**20,
+        device=device,
+        dtypes=dtypes,
+        sizes=sizes,
+        stream_bytes=mib * 2**20,
         min_run_time=1.0,
-    )  # fmt: skip
-    rows = [{"ceiling": f"{d} product, {sizes[d]} x {sizes[d]}",
-             "rate": f"{roof.peaks[d] / 1e9:.4g} GFLOP/s"} for d in dtypes]
-    rows += [{"ceiling": f"copy, {mib} MiB", "rate": f"{roof.copy / 1e9:.4g} GB/s"},
-             {"ceiling": f"triad, {mib} MiB", "rate": f"{roof.triad / 1e9:.4g} GB/s"}]
+    )
+    rows = [
+        {
+            "ceiling": f"{d} product, {sizes[d]} x {sizes[d]}",
+            "rate": f"{roof.peaks[d] / 1e9:.4g} GFLOP/s",
+        }
+        for d in dtypes
+    ]
+    rows += [
+        {"ceiling": f"copy, {mib} MiB", "rate": f"{roof.copy / 1e9:.4g} GB/s"},
+        {"ceiling": f"triad, {mib} MiB", "rate": f"{roof.triad / 1e9:.4g} GB/s"},
+    ]
     print(format_table(rows, title="The roofline"))
     print(f"balance point (float32): {roof.balance():.3g} FLOP/byte")
 
@@ -87,29 +107,72 @@ def collectives_part() -> None:
     groups = [str(n) for n in range(2, ARGS.processes + 1)]
     bench = launch(
         "collective_bench.py",
-        ["--groups", *groups, "--max-bytes", str(ARGS.max_bytes), "--step", "4", "--blocks", "7"],
-        nproc=ARGS.processes, gpus=gpus_for(ARGS.processes), timeout=3600,
-    )  # fmt: skip
+        [
+            "--groups",
+            *groups,
+            "--max-bytes",
+            str(ARGS.max_bytes),
+            "--step",
+            "4",
+            "--blocks",
+            "7",
+        ],
+        nproc=ARGS.processes,
+        gpus=gpus_for(ARGS.processes),
+        timeout=3600,
+    )
     measured = bench["measurements"]
     sizes = sorted({r["bytes"] for r in measured})
     fits = fit_collectives(measured, sizes[::2])
     rows = []
     for (kind, n), fit in fits.items():
-        held = [r for r in measured if (r["kind"], r["processes"]) == (kind, n)
-                and r["bytes"] not in sizes[::2]]  # fmt: skip
-        worst = max(max(q, 1 / q) for q in (fit.predict(r["bytes"]) / r["seconds"] for r in held))
-        rows.append({"collective": kind, "n": n, "alpha": format_time(fit.latency),
-                     "bus bandwidth": f"{fit.bus_bandwidth / 1e9:.3g} GB/s",
-                     "worst held-out prediction": format_ratio(worst)})  # fmt: skip
-    print(format_table(rows, title=f"Alpha-beta fits, {bench['backend']}", threads=bench["threads"]))
+        held = [
+            r
+            for r in measured
+            if (r["kind"], r["processes"]) == (kind, n) and r["bytes"] not in sizes[::2]
+        ]
+        worst = max(
+            max(q, 1 / q)
+            for q in (fit.predict(r["bytes"]) / r["seconds"] for r in held)
+        )
+        rows.append(
+            {
+                "collective": kind,
+                "n": n,
+                "alpha": format_time(fit.latency),
+                "bus bandwidth": f"{fit.bus_bandwidth / 1e9:.3g} GB/s",
+                "worst held-out prediction": format_ratio(worst),
+            }
+        )
+    print(
+        format_table(
+            rows, title=f"Alpha-beta fits, {bench['backend']}", threads=bench["threads"]
+        )
+    )
 
 
 def ddp_part() -> None:
-    args = ["--caps", *map(str, ARGS.caps), "--n-layer", str(ARGS.n_layer),
-            "--n-embd", str(ARGS.n_embd), "--rounds", "21", "--backend", ARGS.backend,
-            "--max-bytes", "4096"]  # fmt: skip
-    talk = launch("checks/cost_of_talking.py", args + (["--compile"] if ARGS.compile else []),
-                  nproc=2, gpus=gpus_for(2), timeout=3600)  # fmt: skip
+    args = [
+        "--caps",
+        *map(str, ARGS.caps),
+        "--n-layer",
+        str(ARGS.n_layer),
+        "--n-embd",
+        str(ARGS.n_embd),
+        "--rounds",
+        "21",
+        "--backend",
+        ARGS.backend,
+        "--max-bytes",
+        "4096",
+    ]
+    talk = launch(
+        "checks/cost_of_talking.py",
+        args + (["--compile"] if ARGS.compile else []),
+        nproc=2,
+        gpus=gpus_for(2),
+        timeout=3600,
+    )
     ddp = talk["ddp"]
     plain, steps = ddp["plain"], ddp["step"]
     order = plain["ready_order"]
@@ -124,24 +187,41 @@ def ddp_part() -> None:
         buckets = assign_buckets(grads, ddp_bucket_caps(cap))
         plan = overlap_schedule(ready, grads, buckets, fit.predict, plain["backward"])
         predicted[name] = plan.cost(kappa)
-        rows.append({"bucket_cap_mb": name, "buckets": len(buckets),
-                     "predicted": format_time(predicted[name]),
-                     "measured": "{} ± {}".format(*map(format_time, paired_difference(
-                         steps[name]["rounds"], alone)))})  # fmt: skip
-    print(format_table(rows, title=f"DDP's communication per step (contention {contention:.2f})",
-                       threads=ddp["threads"]))  # fmt: skip
+        rows.append(
+            {
+                "bucket_cap_mb": name,
+                "buckets": len(buckets),
+                "predicted": format_time(predicted[name]),
+                "measured": "{} ± {}".format(
+                    *map(format_time, paired_difference(steps[name]["rounds"], alone))
+                ),
+            }
+        )
+    print(
+        format_table(
+            rows,
+            title=f"DDP's communication per step (contention {contention:.2f})",
+            threads=ddp["threads"],
+        )
+    )
     print(f"predicted best bucket_cap_mb: {min(predicted, key=predicted.get)}")
     if ARGS.compile:
         comp = ddp["compiled"]
         for name, t in comp["exposed"].items():
-            print(f"{name}: step {format_time(comp['step'][name]['median'])}, "
-                  f"{t['collectives']} collectives, exposed {format_time(t['exposed'])}")
+            print(
+                f"{name}: step {format_time(comp['step'][name]['median'])}, "
+                f"{t['collectives']} collectives, exposed {format_time(t['exposed'])}"
+            )
 
 
 def main() -> None:
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     print(f"{num_gpus()} GPU(s); torch {torch.__version__}")
-    parts = {"roofline": roofline_part, "collectives": collectives_part, "ddp": ddp_part}
+    parts = {
+        "roofline": roofline_part,
+        "collectives": collectives_part,
+        "ddp": ddp_part,
+    }
     for name, part in parts.items():
         if ARGS.only in (None, name):
             part()
@@ -150,5 +230,7 @@ def main() -> None:
 if __name__ == "__main__":
     ARGS = parse_args()
     if ARGS.processes < 2 or ARGS.max_bytes < 64 or ARGS.stream_mib < 1:
-        sys.exit("--processes must be at least 2, --max-bytes 64 or more, --stream-mib positive.")
+        sys.exit(
+            "--processes must be at least 2, --max-bytes 64 or more, --stream-mib positive."
+        )
     main()

@@ -36,9 +36,17 @@ __all__ = [
 ]
 
 FASHION_MNIST_CLASSES = [
-    "t-shirt", "trouser", "pullover", "dress", "coat",
-    "sandal", "shirt", "sneaker", "bag", "ankle boot",
-]  # fmt: skip
+    "t-shirt",
+    "trouser",
+    "pullover",
+    "dress",
+    "coat",
+    "sandal",
+    "shirt",
+    "sneaker",
+    "bag",
+    "ankle boot",
+]
 FASHION_MNIST_HOST = ("fashion-mnist.s3-website.eu-central-1.amazonaws.com", 80)
 
 

@@ -101,7 +101,7 @@ def script_path(name: str) -> Path:
                 + [
                     f"checks/{p.name}"
                     for p in CHECKS.glob("*.py")
-                    if p.name != "__init__.py"
+                    if not p.name.startswith("_")
                 ]
             )
         )

@@ -32,6 +32,7 @@ __all__ = [
 ]
 
 # Shapes of LeNet's parameters, in the order ``lenet`` uses them.
+# A layer's weight and bias share a line, hence the formatter is kept out.
 LENET_SHAPES: list[tuple[int, ...]] = [
     (20, 1, 3, 3), (20,),  # convolution 1: 1 -> 20 channels, 3x3
     (50, 20, 5, 5), (50,),  # convolution 2: 20 -> 50 channels, 5x5

@@ -52,11 +52,28 @@ __all__ = [
 aten = torch.ops.aten
 # Operations that only move or create values: no FLOPs, only bytes.
 _COPIES = {
-    aten.copy_, aten._to_copy, aten.clone, aten.cat, aten.stack, aten.embedding,
-    aten.index_select, aten.index, aten.zero_, aten.fill_, aten.zeros, aten.ones,
-    aten.full, aten.zeros_like, aten.ones_like, aten.new_zeros, aten.new_empty,
-    aten.empty_like, aten.empty, aten.empty_strided, aten.scalar_tensor,
-}  # fmt: skip
+    aten.copy_,
+    aten._to_copy,
+    aten.clone,
+    aten.cat,
+    aten.stack,
+    aten.embedding,
+    aten.index_select,
+    aten.index,
+    aten.zero_,
+    aten.fill_,
+    aten.zeros,
+    aten.ones,
+    aten.full,
+    aten.zeros_like,
+    aten.ones_like,
+    aten.new_zeros,
+    aten.new_empty,
+    aten.empty_like,
+    aten.empty,
+    aten.empty_strided,
+    aten.scalar_tensor,
+}
 # Operations that allocate without touching the memory: no bytes either.
 _ALLOCATIONS = {aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty}
 
@@ -229,9 +246,7 @@ def measure_roofline(
     timings = benchmark_interleaved(
         {**ceilings, **(kernels or {})}, min_run_time=min_run_time, repeats=repeats
     )
-    peaks = {
-        d: 2 * sizes[d] ** 3 / timings[f"product {d}"].median for d in dtypes
-    }
+    peaks = {d: 2 * sizes[d] ** 3 / timings[f"product {d}"].median for d in dtypes}
     roofline = Roofline(
         peaks=peaks,
         copy=2 * a.nbytes / timings["copy"].median,
@@ -311,28 +326,68 @@ def gpt_flops_per_token(
     """
     n = 12 * n_layer * n_embd**2 + vocab_size * n_embd
     attention = 12 * n_layer * seq_len * n_embd
-    return {"parameters": n, "6N": 6 * n, "attention": attention, "total": 6 * n + attention}
+    return {
+        "parameters": n,
+        "6N": 6 * n,
+        "attention": attention,
+        "total": 6 * n + attention,
+    }
 
 
 # Dense peaks (no 2:4 sparsity) in FLOP/s and memory bandwidth in bytes/s, from
 # NVIDIA's datasheets; "bfloat16 sparse" is the number with sparsity that
 # datasheets print first, twice the dense one.
 DATASHEET_PEAKS: dict[str, dict[str, float]] = {
-    "H100 SXM": {"float32": 67e12, "tf32": 494.7e12, "bfloat16": 989.4e12,
-                 "bfloat16 sparse": 1978.9e12, "bandwidth": 3.35e12},
-    "H100 PCIe": {"float32": 51.2e12, "tf32": 378e12, "bfloat16": 756e12,
-                  "bfloat16 sparse": 1513e12, "bandwidth": 2.0e12},
-    "H100 NVL": {"float32": 60e12, "tf32": 417.5e12, "bfloat16": 835.5e12,
-                 "bfloat16 sparse": 1671e12, "bandwidth": 3.9e12},
-    "H200": {"float32": 67e12, "tf32": 494.7e12, "bfloat16": 989.4e12,
-             "bfloat16 sparse": 1978.9e12, "bandwidth": 4.8e12},
-    "A100": {"float32": 19.5e12, "tf32": 156e12, "bfloat16": 312e12,
-             "bfloat16 sparse": 624e12, "bandwidth": 2.0e12},  # 80 GB SXM
-    "A100 40GB": {"float32": 19.5e12, "tf32": 156e12, "bfloat16": 312e12,
-                  "bfloat16 sparse": 624e12, "bandwidth": 1.555e12},
-    "L4": {"float32": 30.3e12, "tf32": 60e12, "bfloat16": 121e12,
-           "bfloat16 sparse": 242e12, "bandwidth": 0.3e12},
-}  # fmt: skip
+    "H100 SXM": {
+        "float32": 67e12,
+        "tf32": 494.7e12,
+        "bfloat16": 989.4e12,
+        "bfloat16 sparse": 1978.9e12,
+        "bandwidth": 3.35e12,
+    },
+    "H100 PCIe": {
+        "float32": 51.2e12,
+        "tf32": 378e12,
+        "bfloat16": 756e12,
+        "bfloat16 sparse": 1513e12,
+        "bandwidth": 2.0e12,
+    },
+    "H100 NVL": {
+        "float32": 60e12,
+        "tf32": 417.5e12,
+        "bfloat16": 835.5e12,
+        "bfloat16 sparse": 1671e12,
+        "bandwidth": 3.9e12,
+    },
+    "H200": {
+        "float32": 67e12,
+        "tf32": 494.7e12,
+        "bfloat16": 989.4e12,
+        "bfloat16 sparse": 1978.9e12,
+        "bandwidth": 4.8e12,
+    },
+    "A100": {
+        "float32": 19.5e12,
+        "tf32": 156e12,
+        "bfloat16": 312e12,
+        "bfloat16 sparse": 624e12,
+        "bandwidth": 2.0e12,
+    },  # 80 GB SXM
+    "A100 40GB": {
+        "float32": 19.5e12,
+        "tf32": 156e12,
+        "bfloat16": 312e12,
+        "bfloat16 sparse": 624e12,
+        "bandwidth": 1.555e12,
+    },
+    "L4": {
+        "float32": 30.3e12,
+        "tf32": 60e12,
+        "bfloat16": 121e12,
+        "bfloat16 sparse": 242e12,
+        "bandwidth": 0.3e12,
+    },
+}
 
 
 def datasheet_peaks(device_name: str) -> tuple[str, dict[str, float]] | None:

@@ -19,11 +19,10 @@ from types import ModuleType
 import pytest
 import torch
 import torch.distributed as dist
+from launchers import SIMULATED_GPU
 
 from companion.gpt import GPT, CharText, GPTConfig, lm_loss
 from companion.launch import launch
-
-SIMULATED_GPU = Path(__file__).parent / "scripts" / "simulated_gpu.py"
 
 
 def check_model_copy(script: ModuleType) -> None:
@@ -102,12 +101,15 @@ def one_process_group() -> Iterator[None]:
 
 def on_simulated_gpus(program: str, args: list, nproc: int, timeout: float) -> dict:
     """Launch ``program`` (a check or a script in companion/) on its GPU path, one
-    simulated GPU per process (tests/scripts/simulated_gpu.py): the collectives
+    simulated GPU per process (tests/programs/simulated_gpu.py): the collectives
     go through gloo, and a CPU tensor in a collective or beside a GPU tensor
     raises what CUDA or nccl would."""
     path = Path(__file__).resolve().parents[1] / "companion" / program
     gpus = ",".join(map(str, range(nproc)))  # launch hides this machine's (no) GPUs
     return launch(
-        SIMULATED_GPU, [path, *args], nproc=nproc, timeout=timeout,
+        SIMULATED_GPU,
+        [path, *args],
+        nproc=nproc,
+        timeout=timeout,
         env={"CUDA_VISIBLE_DEVICES": gpus},
-    )  # fmt: skip
+    )

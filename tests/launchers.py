@@ -20,13 +20,22 @@ from pathlib import Path
 from companion.launch import free_port, script_path
 
 ROOT_CAUSE = "Root Cause (first observed failure):"
-SIMULATED_GPU = Path(__file__).parent / "scripts" / "simulated_gpu.py"
+SIMULATED_GPU = Path(__file__).parent / "programs" / "simulated_gpu.py"
 
 LAUNCHER = (
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-    "MASTER_PORT", "GROUP_RANK", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS",
-    "SLURM_NTASKS_PER_NODE", "SLURM_NODEID",
-)  # fmt: skip
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "SLURM_NTASKS",
+    "SLURM_NTASKS_PER_NODE",
+    "SLURM_NODEID",
+)
 
 
 def clean_environment(**extra: str) -> dict[str, str]:
@@ -39,15 +48,24 @@ def two_agents(script: str, args: list, tmp_path: Path) -> dict:
     tmp_path.mkdir(parents=True, exist_ok=True)
     results = tmp_path / "results.json"
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
-        "--nproc-per-node=1", "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=loopback",
-        str(script_path(script)), *map(str, args), "--results", str(results),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        "--rdzv-id=loopback",
+        str(script_path(script)),
+        *map(str, args),
+        "--results",
+        str(results),
+    ]
     env = clean_environment(
-        OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+        OMP_NUM_THREADS="1",
+        CUDA_VISIBLE_DEVICES="",
         TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
-    )  # fmt: skip
+    )
     with contextlib.ExitStack() as stack:  # logs in files: a full pipe would block
         logs = [
             stack.enter_context(open(tmp_path / f"agent{n}.log", "w")) for n in (0, 1)
@@ -73,10 +91,15 @@ def one_sentence_under_torchrun(
     """
     simulated = [str(SIMULATED_GPU)] if gpus is not None else []
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={nproc}", *simulated, str(script_path(script)),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        *simulated,
+        str(script_path(script)),
         *map(str, args),
-    ]  # fmt: skip
+    ]
     env = clean_environment(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     env.update(gpus or {})
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=200)

@@ -180,18 +180,6 @@ def test_book_settings_keep_buttons_off_without_an_address():
     assert "repository_buttons" in config["sphinx"]["local_extensions"]
 
 
-def test_notebook_code_is_formatted_to_fit_the_column():
-    """`ruff format notebooks` (line length 88, see pyproject.toml) leaves nothing to change."""
-    ruff = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
-    done = subprocess.run(
-        [ruff, "format", "--check", "notebooks"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-
-
 def test_notebook_code_has_no_unused_names_and_fits_the_column():
     """`ruff check --select F,E501 notebooks`: no unused imports or undefined names
     (pyflakes), and no code line over 88 characters (it would scroll sideways in the
@@ -271,8 +259,11 @@ def test_in_colab_an_old_torch_is_replaced_first():
     tool = load_colab_tool()
     source = tool.colab_cell_source("https://github.com/a/b", "main", needs_d2l=False)
     old_torch = SimpleNamespace(__version__=TorchVersion("2.9.0"))
-    colab = {"google.colab": SimpleNamespace(), "google": SimpleNamespace(),
-             "torch": old_torch}  # fmt: skip
+    colab = {
+        "google.colab": SimpleNamespace(),
+        "google": SimpleNamespace(),
+        "torch": old_torch,
+    }
     calls = []
     with pytest.raises(SystemExit, match="restart the session"):
         run_cell_in(source, colab, calls)

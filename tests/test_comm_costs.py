@@ -60,9 +60,13 @@ def test_a_negative_alpha_is_refitted_as_zero() -> None:
 
 @pytest.mark.parametrize(
     "sizes, times, said",
-    [([1], [1.0], "at least two"), ([1, 1], [1.0, 2.0], "two different sizes"),
-     ([1, 2], [2.0, 1.0], "do not grow"), ([1, 2], [0.0, 1.0], "positive")],
-)  # fmt: skip
+    [
+        ([1], [1.0], "at least two"),
+        ([1, 1], [1.0, 2.0], "two different sizes"),
+        ([1, 2], [2.0, 1.0], "do not grow"),
+        ([1, 2], [0.0, 1.0], "positive"),
+    ],
+)
 def test_a_fit_that_cannot_be_made_says_why(sizes, times, said) -> None:
     with pytest.raises(CourseError, match=said):
         fit_alpha_beta(sizes, times)
@@ -130,9 +134,12 @@ def test_buckets_equal_the_reducers_own_assignment(cap) -> None:
 def test_the_schedule_overlaps_buckets_with_the_backward_pass() -> None:
     # Three gradients ready at 1, 2, 3 s; the backward pass ends at 4 s.
     plan = overlap_schedule(
-        [1.0, 2.0, 3.0], [10, 10, 10], [[0], [1, 2]], lambda nbytes: nbytes / 10,
+        [1.0, 2.0, 3.0],
+        [10, 10, 10],
+        [[0], [1, 2]],
+        lambda nbytes: nbytes / 10,
         backward=4.0,
-    )  # fmt: skip
+    )
     assert plan.ready == [1.0, 3.0]
     assert plan.start == [1.0, 3.0] and plan.end == [2.0, 5.0]
     assert plan.exposed == pytest.approx(1.0) and plan.communication == 3.0
@@ -153,8 +160,15 @@ def test_merged_intervals() -> None:
 
 
 def event(name, ts, dur, tid, cat="cpu_op") -> dict:
-    return {"ph": "X", "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid,
-            "cat": cat}  # fmt: skip
+    return {
+        "ph": "X",
+        "name": name,
+        "ts": ts,
+        "dur": dur,
+        "pid": 1,
+        "tid": tid,
+        "cat": cat,
+    }
 
 
 def test_exposed_communication_on_a_cpu_trace() -> None:

@@ -25,11 +25,17 @@ def test_warning_messages_catches_the_torchscript_deprecation():
     with warning_messages() as messages:
         torch.jit.script(torch.nn.Linear(2, 2))
     version = tuple(map(int, torch.__version__.split(".")[:2]))
-    category = ("DeprecationWarning" if (2, 10) <= version <= (2, 13)
-                else "FutureWarning" if version == (2, 14)
-                else ("DeprecationWarning", "FutureWarning"))  # fmt: skip
-    texts = ("`torch.jit.script` is deprecated",
-             "`torch.jit.script` is not supported in Python 3.14+")  # fmt: skip
+    category = (
+        "DeprecationWarning"
+        if (2, 10) <= version <= (2, 13)
+        else "FutureWarning"
+        if version == (2, 14)
+        else ("DeprecationWarning", "FutureWarning")
+    )
+    texts = (
+        "`torch.jit.script` is deprecated",
+        "`torch.jit.script` is not supported in Python 3.14+",
+    )
     assert any(
         m.startswith(category) and any(text in m for text in texts) for m in messages
     ), messages

@@ -51,8 +51,15 @@ def test_report_on_a_cpu_only_machine(machine):
     machine(gpus=0, nccl=False)
     report = collect_report()
     assert list(report)[:8] == [
-        "Python", "Platform", "torch", "torchvision", "d2l", "CUDA (built with)", "cuDNN", "GPUs",
-    ]  # fmt: skip
+        "Python",
+        "Platform",
+        "torch",
+        "torchvision",
+        "d2l",
+        "CUDA (built with)",
+        "cuDNN",
+        "GPUs",
+    ]
     v = sys.version_info
     assert report["Python"] == f"{v.major}.{v.minor}.{v.micro}"
     assert report["Platform"].startswith(platform.system())

@@ -65,8 +65,11 @@ def test_each_panel_shades_its_piece_and_writes_its_numbers_in_place() -> None:
     held = np.asarray(rank1.get_images()[0].get_array())
     assert (held[:, :2] == grey).all() and (held[:, 2:, 3] == 0.45).all()
     assert [(t.get_text(), t.get_position()) for t in rank1.texts] == [
-        ("2", (2.5, 0.5)), ("3", (3.5, 0.5)), ("6", (2.5, 1.5)), ("7", (3.5, 1.5))
-    ]  # fmt: skip
+        ("2", (2.5, 0.5)),
+        ("3", (3.5, 0.5)),
+        ("6", (2.5, 1.5)),
+        ("7", (3.5, 1.5)),
+    ]
     labels = [(ax.get_title(), ax.get_ylabel()) for ax in fig.axes]
     assert labels == [
         ("rank 0", "Shard(0)"),

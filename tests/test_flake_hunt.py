@@ -33,8 +33,11 @@ def test_conditions_set_what_they_promise(monkeypatch):
     assert fh.condition_env("busy", False) == {}
     assert fh.condition_env("oversubscribed", False) == {"OMP_NUM_THREADS": "4"}
     scalar = fh.condition_env("scalar", False)
-    assert scalar == {"OMP_NUM_THREADS": "1", "MKL_CBWR": "COMPATIBLE",
-                      "ATEN_CPU_CAPABILITY": "default"}  # fmt: skip
+    assert scalar == {
+        "OMP_NUM_THREADS": "1",
+        "MKL_CBWR": "COMPATIBLE",
+        "ATEN_CPU_CAPABILITY": "default",
+    }
     # torch.compile's C++ does not build on the scalar path: compile chapters keep
     # a vectorised one (AVX2 on an AVX-512 CPU, else the CPU's own)
     compiled = fh.condition_env("scalar", True)

@@ -1,7 +1,7 @@
 """Tests that need a CUDA GPU: `make test-gpu` runs them; elsewhere they are skipped.
 
 What a CPU can check of the GPU paths, it checks elsewhere (the simulated GPU
-of tests/scripts/simulated_gpu.py); these check what only a GPU has: that
+of tests/programs/simulated_gpu.py); these check what only a GPU has: that
 timings wait for the GPU, and that a script's GPU run computes what its CPU
 run computes.
 """
@@ -47,20 +47,37 @@ def test_benchmark_waits_for_the_gpu():
 
 def test_ddp_train_on_the_gpu_computes_what_it_computes_on_the_cpu(tmp_path):
     """float64: the devices differ only by rounding, far below 1e-10."""
-    args = ["--steps", "24", "--samples", "256", "--global-batch-size", "32",
-            "--dtype", "float64"]  # fmt: skip
+    args = [
+        "--steps",
+        "24",
+        "--samples",
+        "256",
+        "--global-batch-size",
+        "32",
+        "--dtype",
+        "float64",
+    ]
     finals = {}
     for device, visible in (("cuda", "0"), ("cpu", "")):
         folder = tmp_path / device
         subprocess.run(
-            [sys.executable, script_path("ddp_train.py"), *args, "--checkpoint-dir",
-             folder, "--results", folder / "r.json"],
-            check=True, timeout=300,
+            [
+                sys.executable,
+                script_path("ddp_train.py"),
+                *args,
+                "--checkpoint-dir",
+                folder,
+                "--results",
+                folder / "r.json",
+            ],
+            check=True,
+            timeout=300,
             env={**os.environ, "CUDA_VISIBLE_DEVICES": visible},
-        )  # fmt: skip
+        )
         assert json.loads((folder / "r.json").read_text())["device"] == device
-        state = torch.load(sorted(folder.glob("step-*.pt"))[-1], map_location="cpu",
-                           weights_only=True)  # fmt: skip
+        state = torch.load(
+            sorted(folder.glob("step-*.pt"))[-1], map_location="cpu", weights_only=True
+        )
         finals[device] = list(state["model"].values())
     for a, b in zip(finals["cuda"], finals["cpu"]):
         assert (a - b).abs().max().item() < 1e-10

@@ -1,7 +1,7 @@
 """tools/gpu_check.py (make test-gpu): what it launches, and the GPU path on a CPU.
 
 On a CPU machine `make test-gpu` only says that it needs a GPU; its script
-runs are checked here on two simulated GPUs (tests/scripts/simulated_gpu.py).
+runs are checked here on two simulated GPUs (tests/programs/simulated_gpu.py).
 """
 
 import subprocess
@@ -29,8 +29,10 @@ def test_each_script_runs_with_one_process_and_one_per_gpu():
 def test_without_a_gpu_it_says_so_in_one_sentence():
     done = subprocess.run(
         [sys.executable, ROOT / "tools" / "gpu_check.py"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if done.returncode == 2:  # this machine has no GPU
         assert (
             done.stdout
@@ -53,8 +55,10 @@ def test_hello_runs_on_two_simulated_gpus_with_nccl(tmp_path):
 def test_every_script_runs_on_its_gpu_path_on_simulated_gpus():
     done = subprocess.run(
         [sys.executable, ROOT / "tools" / "gpu_check.py", "--simulate"],
-        capture_output=True, text=True, timeout=1450,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=1450,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("\nok ") + done.stdout.startswith("ok ") == 2 * len(
         gpu_check.SMOKE

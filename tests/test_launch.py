@@ -17,7 +17,7 @@ import pytest
 from jupyter_client.manager import start_new_kernel
 
 from companion.devices import cpu_count
-from companion.failures import run_torchrun
+from companion.diagnosis import run_torchrun
 from companion.launch import (
     LaunchError,
     LaunchTimeout,
@@ -27,8 +27,8 @@ from companion.launch import (
     script_path,
 )
 
-HANG = str(Path(__file__).parent / "scripts" / "hang.py")
-ECHO = str(Path(__file__).parent / "scripts" / "echo_env.py")
+HANG = str(Path(__file__).parent / "programs" / "hang.py")
+ECHO = str(Path(__file__).parent / "programs" / "echo_env.py")
 
 
 def recorded_pids(pid_dir: Path) -> set[int]:

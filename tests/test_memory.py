@@ -336,13 +336,25 @@ def synthetic_snapshot() -> tuple[dict, dict[str, int]]:
 
     live, cached = block(3 * kib + 512, 3 * kib), block(kib, 1000, "inactive")
     segments = [
-        {"device": 0, "total_size": 2 * mib, "allocated_size": 3 * kib + 512,
-         "blocks": [live, cached, block(2 * mib - 4 * kib - 512, 0, "inactive")]},
-        {"device": 0, "total_size": 20 * mib, "allocated_size": 0,
-         "blocks": [block(20 * mib, 0, "inactive")]},
-        {"device": 1, "total_size": 2 * mib, "allocated_size": 2 * mib,
-         "blocks": [block(2 * mib, 2 * mib)]},
-    ]  # fmt: skip
+        {
+            "device": 0,
+            "total_size": 2 * mib,
+            "allocated_size": 3 * kib + 512,
+            "blocks": [live, cached, block(2 * mib - 4 * kib - 512, 0, "inactive")],
+        },
+        {
+            "device": 0,
+            "total_size": 20 * mib,
+            "allocated_size": 0,
+            "blocks": [block(20 * mib, 0, "inactive")],
+        },
+        {
+            "device": 1,
+            "total_size": 2 * mib,
+            "allocated_size": 2 * mib,
+            "blocks": [block(2 * mib, 2 * mib)],
+        },
+    ]
     snapshot = {"segments": segments, "device_traces": [trace, []]}
     return snapshot, {"forward": 3, "backward": 6, "optimizer step": 7}
 
@@ -418,8 +430,10 @@ def test_recording_a_snapshot_counts_the_events_of_each_phase(
     assert dumped == [str(tmp_path / "step.pickle")]  # for pytorch.org/memory_viz
     calls.clear()
     with pytest.raises(RuntimeError, match="out of memory"):
-        record_snapshot({"forward": lambda: (_ for _ in ()).throw(RuntimeError(
-            "out of memory"))}, "cuda:0")  # fmt: skip
+        record_snapshot(
+            {"forward": lambda: (_ for _ in ()).throw(RuntimeError("out of memory"))},
+            "cuda:0",
+        )
     assert calls == ["all", None]  # off again, even after an error
 
 

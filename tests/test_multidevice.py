@@ -134,11 +134,17 @@ def test_lenet_is_the_textbook_network() -> None:
     params = [p + 0.1 * torch.randn(p.shape, generator=g) for p in init_lenet_params()]
     W1, b1, W2, b2, W3, b3, W4, b4 = params
     net = torch.nn.Sequential(
-        torch.nn.Conv2d(1, 20, 3), torch.nn.ReLU(), torch.nn.AvgPool2d(2),
-        torch.nn.Conv2d(20, 50, 5), torch.nn.ReLU(), torch.nn.AvgPool2d(2),
-        torch.nn.Flatten(), torch.nn.Linear(800, 128), torch.nn.ReLU(),
+        torch.nn.Conv2d(1, 20, 3),
+        torch.nn.ReLU(),
+        torch.nn.AvgPool2d(2),
+        torch.nn.Conv2d(20, 50, 5),
+        torch.nn.ReLU(),
+        torch.nn.AvgPool2d(2),
+        torch.nn.Flatten(),
+        torch.nn.Linear(800, 128),
+        torch.nn.ReLU(),
         torch.nn.Linear(128, 10),
-    )  # fmt: skip
+    )
     with torch.no_grad():
         for layer, (w, b) in zip(
             [net[0], net[3], net[7], net[9]],

@@ -30,8 +30,13 @@ def test_an_unknown_name_is_an_attribute_error():
 
 def test_importing_the_package_loads_no_plotting_library():
     code = "import sys, companion; from companion import launch; print('matplotlib' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, timeout=120).stdout  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
     assert out.strip() == "False"
 
 
@@ -40,6 +45,11 @@ def test_launch_stays_the_function_after_its_module_is_imported():
         "import companion.launch, companion; from companion import launch; "
         "print(callable(launch))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, timeout=120).stdout  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
     assert out.strip() == "True"

@@ -262,8 +262,9 @@ def test_activations_of_each_layout() -> None:
     # Recomputation: each block's input, and one block whole.
     again = saved_activation_bytes(model, Plan("data", recompute=True), n)
     assert again == positions / n * (L * d + 16 * d + 4 + h)
-    both = saved_activation_bytes(model, Plan("tensor", sequence_parallel=True,
-                                        recompute=True), n)  # fmt: skip
+    both = saved_activation_bytes(
+        model, Plan("tensor", sequence_parallel=True, recompute=True), n
+    )
     assert both == positions * (L * d / n + 2 * d + (14 * d + 4 + h) / n)
 
 

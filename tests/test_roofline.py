@@ -101,12 +101,15 @@ def test_the_roofline_is_the_lower_of_its_two_ceilings() -> None:
 def test_measure_roofline_times_ceilings_and_kernels_together() -> None:
     x = torch.randn(256, 256)
     roof, timed = measure_roofline(
-        {"softmax": lambda: torch.softmax(x, -1), "layer norm": lambda: F.layer_norm(x, (256,))},
+        {
+            "softmax": lambda: torch.softmax(x, -1),
+            "layer norm": lambda: F.layer_norm(x, (256,)),
+        },
         sizes={"float32": 64, "bfloat16": 32},
         stream_bytes=2**20,
         min_run_time=0.01,
         repeats=2,
-    )  # fmt: skip
+    )
     assert set(roof.peaks) == {"float32", "bfloat16"} and min(roof.peaks.values()) > 0
     assert roof.copy > 0 and roof.triad > 0 and roof.sizes["bfloat16"] == 32
     assert set(timed) == {"softmax", "layer norm"}
@@ -117,19 +120,25 @@ def test_measure_roofline_times_ceilings_and_kernels_together() -> None:
 
 def test_plot_roofline_draws_the_roofs_and_the_points() -> None:
     roof = Roofline(peaks={"float32": 100e9, "bfloat16": 400e9}, copy=10e9, triad=20e9)
-    ax = plot_roofline(roof, {"a": (0.1, 1e9), "b": (50.0, 80e9)},
-                       dtypes=("float32", "bfloat16"))  # fmt: skip
+    ax = plot_roofline(
+        roof, {"a": (0.1, 1e9), "b": (50.0, 80e9)}, dtypes=("float32", "bfloat16")
+    )
     assert len(ax.lines) == 3  # two roofs and the balance point
     assert [t.get_text() for t in ax.texts] == ["a", "b"]
 
 
 @pytest.mark.parametrize(
     "name, model",
-    [("NVIDIA H100 80GB HBM3", "H100 SXM"), ("NVIDIA H100 PCIe", "H100 PCIe"),
-     ("NVIDIA H100 NVL", "H100 NVL"), ("NVIDIA A100-SXM4-80GB", "A100"),
-     ("NVIDIA A100-PCIE-40GB", "A100 40GB"), ("NVIDIA H200", "H200"),
-     ("NVIDIA L4", "L4")],
-)  # fmt: skip
+    [
+        ("NVIDIA H100 80GB HBM3", "H100 SXM"),
+        ("NVIDIA H100 PCIe", "H100 PCIe"),
+        ("NVIDIA H100 NVL", "H100 NVL"),
+        ("NVIDIA A100-SXM4-80GB", "A100"),
+        ("NVIDIA A100-PCIE-40GB", "A100 40GB"),
+        ("NVIDIA H200", "H200"),
+        ("NVIDIA L4", "L4"),
+    ],
+)
 def test_datasheet_peaks_are_found_by_the_gpus_name(name, model) -> None:
     found, peaks = datasheet_peaks(name)
     assert found == model and peaks is DATASHEET_PEAKS[model]
@@ -144,7 +153,12 @@ def test_the_datasheets_peaks_rise_from_float32_to_tf32_to_bfloat16() -> None:
     """A guard against typing a number into the wrong column (the values are
     NVIDIA's datasheets', which no test can re-derive)."""
     for peaks in DATASHEET_PEAKS.values():
-        assert peaks["float32"] < peaks["tf32"] < peaks["bfloat16"] < peaks["bfloat16 sparse"]
+        assert (
+            peaks["float32"]
+            < peaks["tf32"]
+            < peaks["bfloat16"]
+            < peaks["bfloat16 sparse"]
+        )
     assert datasheet_peaks("NVIDIA GH200 480GB") is None  # not an H200
 
 
@@ -156,7 +170,9 @@ def test_the_benchmark_rejects_bad_input() -> None:
 
     script = Path(__file__).parents[1] / "benchmarks" / "how_fast.py"
     done = subprocess.run(
-        [sys.executable, script, "--processes", "1"], capture_output=True, text=True,
+        [sys.executable, script, "--processes", "1"],
+        capture_output=True,
+        text=True,
         timeout=120,
-    )  # fmt: skip
+    )
     assert done.returncode != 0 and "--processes must be at least 2" in done.stderr

@@ -50,10 +50,16 @@ ALL = sorted(p for p in SCRIPTS.glob("*.py") if p.name != "__init__.py")
 START, END = "# ---- set-up:", "# ---- end of set-up"
 # The chapters' scripts before issue 28 (ddp_train.py ... tensor_parallel_gpt.py).
 ORIGINAL_NINE = {
-    "convnext_sharded.py", "ddp_resnet.py", "ddp_train.py", "dtensor_basics.py",
-    "fsdp_gpt.py", "hello_distributed.py", "pipeline_gpt.py",
-    "spmd_data_parallel.py", "tensor_parallel_gpt.py",
-}  # fmt: skip
+    "convnext_sharded.py",
+    "ddp_resnet.py",
+    "ddp_train.py",
+    "dtensor_basics.py",
+    "fsdp_gpt.py",
+    "hello_distributed.py",
+    "pipeline_gpt.py",
+    "spmd_data_parallel.py",
+    "tensor_parallel_gpt.py",
+}
 
 
 def setup_block(path: Path) -> str:
@@ -162,18 +168,24 @@ def decide(monkeypatch):
 def torchrun(rank: int, per_node: int, world: int | None = None) -> dict[str, str]:
     world = world or per_node
     return {
-        "RANK": str(rank), "LOCAL_RANK": str(rank % per_node), "WORLD_SIZE": str(world),
-        "LOCAL_WORLD_SIZE": str(per_node), "MASTER_ADDR": "127.0.0.1",
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank % per_node),
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(per_node),
+        "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": "29500",
-    }  # fmt: skip
+    }
 
 
 def srun(rank: int, per_node: int, world: int) -> dict[str, str]:
     return {
-        "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank % per_node),
-        "SLURM_NTASKS": str(world), "SLURM_NTASKS_PER_NODE": str(per_node),
-        "MASTER_ADDR": "node1", "MASTER_PORT": "29500",
-    }  # fmt: skip
+        "SLURM_PROCID": str(rank),
+        "SLURM_LOCALID": str(rank % per_node),
+        "SLURM_NTASKS": str(world),
+        "SLURM_NTASKS_PER_NODE": str(per_node),
+        "MASTER_ADDR": "node1",
+        "MASTER_PORT": "29500",
+    }
 
 
 def test_plain_python_is_one_process_without_a_port(decide):
@@ -324,7 +336,7 @@ def test_srun_tasks_run_hello_as_one_group(tmp_path):
                     "MASTER_ADDR": "127.0.0.1",
                     "MASTER_PORT": str(port),
                 }
-            ),  # fmt: skip
+            ),
         )
         for rank in range(2)
     ]

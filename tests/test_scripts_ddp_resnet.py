@@ -13,13 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from launchers import two_agents
+from launchers import SIMULATED_GPU, two_agents
 
 from companion import launch, script_path
 from companion.scripts import ddp_resnet
 from companion.scripts.ddp_resnet import resnet18
 
-SIMULATED_GPU = Path(__file__).parent / "scripts" / "simulated_gpu.py"
 # Tiny settings: a narrow ResNet-18, 32 training images, two epochs.
 TINY = ["--width", "4", "--epochs", "2", "--global-batch-size", "16"]
 
@@ -35,12 +34,14 @@ def save_images(path: Path, train: int, test: int, label: int | None = None, siz
         )
 
     torch.save(
-        {"train_images": torch.rand(train, 1, size, size, generator=gen),
-         "train_labels": labels(train),
-         "test_images": torch.rand(test, 1, size, size, generator=gen),
-         "test_labels": labels(test)},
+        {
+            "train_images": torch.rand(train, 1, size, size, generator=gen),
+            "train_labels": labels(train),
+            "test_images": torch.rand(test, 1, size, size, generator=gen),
+            "test_labels": labels(test),
+        },
         path,
-    )  # fmt: skip
+    )
     return str(path)
 
 
@@ -54,9 +55,14 @@ def data_file(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.mark.slow
 def test_the_check_trains_with_the_script_and_times_the_parts(data_file: str) -> None:
     args = [
-        "--data", data_file, *TINY, "--timing-rounds", "2",
-        "--also-global-batch-size", "8",
-    ]  # fmt: skip
+        "--data",
+        data_file,
+        *TINY,
+        "--timing-rounds",
+        "2",
+        "--also-global-batch-size",
+        "8",
+    ]
     results = launch("checks/ddp_scaling.py", args, nproc=2, timeout=200)
     assert results["world_size"] == 2 and results["data"] == "images.pt"
     assert (results["device"], results["backend"]) == ("cpu", "gloo")
@@ -135,9 +141,17 @@ def test_the_gpu_path_runs_on_a_simulated_gpu(tmp_path) -> None:
     out = tmp_path / "results.json"
     args = ["--width", "2", "--epochs", "1", "--global-batch-size", "256"]
     subprocess.run(
-        [sys.executable, SIMULATED_GPU, script_path("ddp_resnet.py"), *args,
-         "--results", out], check=True, timeout=280,
-    )  # fmt: skip
+        [
+            sys.executable,
+            SIMULATED_GPU,
+            script_path("ddp_resnet.py"),
+            *args,
+            "--results",
+            out,
+        ],
+        check=True,
+        timeout=280,
+    )
     results = json.loads(out.read_text())
     assert (results["device"], results["backend"]) == ("cuda", "nccl")
     assert results["steps_per_epoch"] == 4 and len(results["loss_curve"]) == 4
@@ -170,8 +184,10 @@ def test_a_bad_data_file_is_one_sentence(tmp_path, capsys, content, said) -> Non
 def test_a_bad_file_from_the_command_line_is_one_line_and_exit_code_2(tmp_path) -> None:
     proc = subprocess.run(
         [sys.executable, script_path("ddp_resnet.py"), "--data", tmp_path / "none.pt"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert proc.stderr.startswith("ddp_resnet.py: error: there is no data file")
 

@@ -37,22 +37,33 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from launchers import LAUNCHER, free_port, one_sentence_under_torchrun
+from launchers import LAUNCHER, SIMULATED_GPU, free_port, one_sentence_under_torchrun
 from torch.distributed.run import get_args_parser
 
 from companion.scripts import ddp_train
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "companion" / "scripts" / "ddp_train.py"
-SIMULATED_GPU = ROOT / "tests" / "scripts" / "simulated_gpu.py"
-KILL_ONCE = ROOT / "tests" / "scripts" / "kill_once.py"
+KILL_ONCE = ROOT / "tests" / "programs" / "kill_once.py"
 SBATCH = ROOT / "companion" / "scripts" / "ddp_train.sbatch"
 CLUSTER_PAGE = ROOT / "book" / "cluster.md"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 TAG = "DDP_TRAIN_TEST_TAG"  # marks every process a test starts, to find survivors
 # float64, so that 1 and 2 processes agree to rounding (float32: ~1e-8).
-TINY = ["--steps", "24", "--samples", "256", "--global-batch-size", "32",
-        "--dtype", "float64", "--checkpoint-every", "8", "--log-every", "8"]  # fmt: skip
+TINY = [
+    "--steps",
+    "24",
+    "--samples",
+    "256",
+    "--global-batch-size",
+    "32",
+    "--dtype",
+    "float64",
+    "--checkpoint-every",
+    "8",
+    "--log-every",
+    "8",
+]
 TOL = 1e-12
 
 pytestmark = pytest.mark.timeout(240)
@@ -98,7 +109,7 @@ def start(
             "PYTHONUNBUFFERED": "1",
             TAG: tag,
             **(env or {}),
-        },  # fmt: skip
+        },
         text=True,
         start_new_session=True,
         stdout=subprocess.PIPE,
@@ -153,9 +164,14 @@ def max_difference(a: dict, b: dict) -> float:
 
 def srun_env(rank: int, port: int, tasks: int = 2) -> dict[str, str]:
     """What srun (and the batch file's MASTER_ADDR/PORT) set for task ``rank`` on one node."""
-    return {"SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
-            "SLURM_NTASKS": str(tasks), "SLURM_NTASKS_PER_NODE": str(tasks),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+    return {
+        "SLURM_PROCID": str(rank),
+        "SLURM_LOCALID": str(rank),
+        "SLURM_NTASKS": str(tasks),
+        "SLURM_NTASKS_PER_NODE": str(tasks),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -189,15 +205,23 @@ def test_data_plan_gives_every_rank_an_equal_nonempty_shard(capsys):
 
 
 def test_checkpoints_are_atomic_pruned_by_step_and_checked(tmp_path, capsys):
-    config = {"global_batch_size": 64, "lr": 0.05, "seed": 0, "samples": 2048,
-              "dtype": "float32", "steps": 30}  # fmt: skip
+    config = {
+        "global_batch_size": 64,
+        "lr": 0.05,
+        "seed": 0,
+        "samples": 2048,
+        "dtype": "float32",
+        "steps": 30,
+    }
     model = torch.nn.Linear(2, 2)
     # As text, "step-1000000.pt" sorts before "step-999999.pt": pruning goes by step.
     for step in (10, 999_999, 1_000_000):
         state = {"model": model.state_dict(), "step": step, "config": config}
         ddp_train.save_checkpoint(tmp_path, state, keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "step-1000000.pt", "step-999999.pt"]  # no .tmp left  # fmt: skip
+        "step-1000000.pt",
+        "step-999999.pt",
+    ]  # no .tmp left
     cpu = torch.device("cpu")
     assert ddp_train.load_checkpoint(tmp_path, cpu, config)["step"] == 1_000_000
     assert ddp_train.load_checkpoint(tmp_path / "empty", cpu, config) is None
@@ -250,7 +274,7 @@ def test_a_checkpoint_that_cannot_load_is_one_sentence(tmp_path, capsys, content
         ["--epochs", "0"],
         ["--spawn", "-1"],
         ["--lr", "fast"],
-    ],  # fmt: skip
+    ],
 )
 def test_bad_arguments_stop_with_exit_code_2(argv, capsys):
     with pytest.raises(SystemExit) as stop:
@@ -287,17 +311,28 @@ def test_srun_tasks_with_a_gpu_each_match_one_process(one_process, tmp_path):
     sees its own GPU as cuda:0 while ``SLURM_LOCALID`` is 0 and 1, so DDP must
     be told the device, not the local rank (it was told cuda:1 once)."""
     tag, port = uuid.uuid4().hex, free_port()
-    cmd = [sys.executable, SIMULATED_GPU, SCRIPT, *TINY, "--checkpoint-dir",
-           tmp_path / "ckpt", "--results", tmp_path / "results.json"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        SIMULATED_GPU,
+        SCRIPT,
+        *TINY,
+        "--checkpoint-dir",
+        tmp_path / "ckpt",
+        "--results",
+        tmp_path / "results.json",
+    ]
     gpus = {"SIMULATED_GPUS": "2"}  # the node's; each task sees one of them
-    procs = [start(cmd, tag, {**srun_env(r, port), **gpus,
-                              "CUDA_VISIBLE_DEVICES": str(r)})
-             for r in range(2)]  # fmt: skip
+    procs = [
+        start(cmd, tag, {**srun_env(r, port), **gpus, "CUDA_VISIBLE_DEVICES": str(r)})
+        for r in range(2)
+    ]
     outcomes = finish(procs, tag)
     assert [code for code, _, _ in outcomes] == [0, 0], outcomes
     results = json.loads((tmp_path / "results.json").read_text())
     assert [(r["rank"], r["local_rank"], r["device"]) for r in results["ranks"]] == [
-        (0, 0, "cuda"), (1, 1, "cuda")]  # fmt: skip
+        (0, 0, "cuda"),
+        (1, 1, "cuda"),
+    ]
     assert results["backend"] == "nccl" and results["world_size"] == 2
     assert max_difference(final_params(results), final_params(one_process)) < TOL
     assert results["losses"] == pytest.approx(one_process["losses"], abs=TOL)
@@ -310,8 +345,15 @@ def test_two_processes_match_one(launcher, one_process, request, tmp_path):
         results = request.getfixturevalue("two_processes")
     elif launcher == "srun":
         tag, port = uuid.uuid4().hex, free_port()
-        cmd = [sys.executable, SCRIPT, *TINY, "--checkpoint-dir", tmp_path / "ckpt",
-               "--results", tmp_path / "results.json"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            SCRIPT,
+            *TINY,
+            "--checkpoint-dir",
+            tmp_path / "ckpt",
+            "--results",
+            tmp_path / "results.json",
+        ]
         procs = [start(cmd, tag, srun_env(r, port)) for r in range(2)]
         assert [code for code, _, _ in finish(procs, tag)] == [0, 0]
         results = json.loads((tmp_path / "results.json").read_text())
@@ -358,12 +400,23 @@ def test_killed_worker_restarts_and_resumes_from_its_checkpoint(
     # step 8. Without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 the restarted workers
     # share the first attempt's store and may read its stale addresses
     # (pytorch/pytorch#135712, #167288): about half of the restarts failed.
-    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "KILL_AT_STEP": "12",
-           "KILL_MARKER": str(tmp_path / "killed")}  # fmt: skip
+    env = {
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "KILL_AT_STEP": "12",
+        "KILL_MARKER": str(tmp_path / "killed"),
+    }
     results, output = train(
-        [*TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=1",
-         KILL_ONCE, *TINY], tmp_path, env,
-    )  # fmt: skip
+        [
+            *TORCHRUN,
+            "--standalone",
+            "--nproc-per-node=2",
+            "--max-restarts=1",
+            KILL_ONCE,
+            *TINY,
+        ],
+        tmp_path,
+        env,
+    )
     assert (tmp_path / "killed").exists()  # rank 1 touched it, then died of SIGKILL
     # torchrun saw the group fail. Which rank it names is a race: rank 0's @record
     # may time-stamp its own error (gloo lost its peer) a second before torchrun
@@ -377,9 +430,17 @@ def test_killed_worker_restarts_and_resumes_from_its_checkpoint(
 
 def two_nodes_command(port: int, args: list) -> list:
     """One of two torchrun agents (one process each) that meet on 127.0.0.1."""
-    return [*TORCHRUN, "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=test", SCRIPT, *TINY,
-            *args]  # fmt: skip
+    return [
+        *TORCHRUN,
+        "--nnodes=2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=test",
+        SCRIPT,
+        *TINY,
+        *args,
+    ]
 
 
 @pytest.mark.slow
@@ -450,8 +511,18 @@ def folders_not_shared(tmp_path: Path) -> str:
     nodes = [tmp_path / "node0", tmp_path / "node1"]
     for node in nodes:
         node.mkdir()
-    code, _, err = run([*TORCHRUN, "--nproc-per-node=1", SCRIPT, *TINY, "--steps",
-                        "8", "--checkpoint-dir", nodes[0] / "ckpt"])  # fmt: skip
+    code, _, err = run(
+        [
+            *TORCHRUN,
+            "--nproc-per-node=1",
+            SCRIPT,
+            *TINY,
+            "--steps",
+            "8",
+            "--checkpoint-dir",
+            nodes[0] / "ckpt",
+        ]
+    )
     assert code == 0, err
     tag, port = uuid.uuid4().hex, free_port()
     command = two_nodes_command(port, ["--checkpoint-dir", "ckpt"])
@@ -467,8 +538,14 @@ def folders_not_shared(tmp_path: Path) -> str:
     return sentence
 
 
-SETTINGS = {"global_batch_size": 64, "lr": 0.1, "seed": 0, "samples": 2048,
-            "dtype": "float32", "steps": 200}  # the defaults, but for lr  # fmt: skip
+SETTINGS = {
+    "global_batch_size": 64,
+    "lr": 0.1,
+    "seed": 0,
+    "samples": 2048,
+    "dtype": "float32",
+    "steps": 200,
+}  # the defaults, but for lr
 CAUSES = {
     "a flag it does not know, or a bad value": lambda tmp: alone(["--lr", "fast"]),
     "`--global-batch-size 33` with 2 processes": lambda tmp: (
@@ -497,9 +574,11 @@ CAUSES = {
 }
 # Several processes: make test launches torchrun's failure path once
 # (tests/test_scripts.py) and checks these two sentences in-process.
-SLOW = {"`--global-batch-size 33` with 2 processes",
-        "2 processes on a node whose processes see 1 GPU",
-        "the checkpoint folder not shared between nodes"}  # fmt: skip
+SLOW = {
+    "`--global-batch-size 33` with 2 processes",
+    "2 processes on a node whose processes see 1 GPU",
+    "the checkpoint folder not shared between nodes",
+}
 
 
 def quoted() -> dict[str, str]:
@@ -516,8 +595,9 @@ def matches(quote: str, sentence: str) -> bool:
 
 @pytest.mark.slow
 def test_a_bad_launch_under_mp_spawn_is_one_sentence_and_exit_code_2():
-    code, out, err = run([sys.executable, SCRIPT, "--spawn", "2",
-                          "--global-batch-size", "33"])  # fmt: skip
+    code, out, err = run(
+        [sys.executable, SCRIPT, "--spawn", "2", "--global-batch-size", "33"]
+    )
     assert code == 2 and "Traceback" not in out + err, out + err
     assert one_sentence(code, err).startswith("the global batch (33) does not split")
 
@@ -653,7 +733,7 @@ def test_sbatch_file_gives_srun_what_a_real_one_needs_on_two_nodes(tmp_path):
             "SLURM_JOB_NODELIST": "gpu[07-08]",
             "SLURM_NNODES": "2",
             "SLURM_GPUS_ON_NODE": "4",
-        },  # fmt: skip
+        },
     )
     assert code == 0 and record["problems"] == [], output
     port = 20000 + 123456 % 20000  # derived from the job id: two jobs on a node differ
@@ -666,15 +746,31 @@ def test_sbatch_file_gives_srun_what_a_real_one_needs_on_two_nodes(tmp_path):
 @pytest.mark.slow
 def test_sbatch_file_trains_with_stand_ins_for_slurm(tmp_path):
     """Run the batch file with bash: ``srun`` checks its options and runs the command once."""
-    env = {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "127.0.0.1", "SLURM_NNODES": "1",
-           "SLURM_GPUS_ON_NODE": "2", "MASTER_PORT": str(free_port()), "SRUN_RUN": "1"}  # fmt: skip
+    env = {
+        "SLURM_JOB_ID": "42",
+        "SLURM_JOB_NODELIST": "127.0.0.1",
+        "SLURM_NNODES": "1",
+        "SLURM_GPUS_ON_NODE": "2",
+        "MASTER_PORT": str(free_port()),
+        "SRUN_RUN": "1",
+    }
     code, output, record = run_sbatch(
-        tmp_path, env, [*TINY, "--results", tmp_path / "results.json",
-                        "--checkpoint-dir", tmp_path / "ckpt"],
-    )  # fmt: skip
+        tmp_path,
+        env,
+        [
+            *TINY,
+            "--results",
+            tmp_path / "results.json",
+            "--checkpoint-dir",
+            tmp_path / "ckpt",
+        ],
+    )
     assert code == 0 and record["problems"] == [], output
     assert "2 process(es) on cpu" in output and (tmp_path / "results.json").is_file()
-    shown = next(line for line in output.splitlines()
-                 if line.startswith("Running on 1 node(s) x 2 process(es):"))  # fmt: skip
+    shown = next(
+        line
+        for line in output.splitlines()
+        if line.startswith("Running on 1 node(s) x 2 process(es):")
+    )
     missing = [n for n in named_files(shown) if not (ROOT / n).is_file()]
     assert "companion/scripts/ddp_train.py" in shown and not missing

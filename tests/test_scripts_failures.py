@@ -49,9 +49,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from launchers import clean_environment, free_port
-from test_failures import exercise_blocks  # the exercises' quoted lines
+from test_diagnosis import exercise_blocks  # the exercises' quoted lines
 
-from companion.failures import (
+from companion.diagnosis import (
     compare_flight_records,
     excerpt,
     find_barrier_report,
@@ -744,9 +744,13 @@ def test_ddp_under_detail_on_gloo_is_refused_in_one_sentence():
     run = run_ranks(SCRIPT, ["--timeout", "30"], env=DETAIL)
     # rank 0 says it and exits 2; rank 1 waits silently for the launcher to stop it
     assert run.returncodes[0] == 2 and run.returncodes[1] in (None, 2)
-    assert run.outputs[0].strip().endswith(
-        "failures.py: error: DDP crashes on gloo under "
-        "TORCH_DISTRIBUTED_DEBUG=DETAIL; add --shard"
+    assert (
+        run.outputs[0]
+        .strip()
+        .endswith(
+            "failures.py: error: DDP crashes on gloo under "
+            "TORCH_DISTRIBUTED_DEBUG=DETAIL; add --shard"
+        )
     )
     assert "Traceback" not in run.outputs[1]
 

@@ -14,7 +14,7 @@
   and its gradients are off where it exchanges halos itself (2.10 to 2.12);
 - bad launches end in one sentence before the processes meet; two torchrun
   agents (two loopback "nodes") give what one node gives; each script runs
-  its GPU path on a simulated GPU (tests/scripts/simulated_gpu.py).
+  its GPU path on a simulated GPU (tests/programs/simulated_gpu.py).
 
 The launches take 10 to 40 s each on 2 cores, so they are marked slow:
 chapter 11 launches the three checks on 4 processes in ``make test``, with
@@ -27,18 +27,16 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-from launchers import one_sentence_under_torchrun, two_agents
+from launchers import SIMULATED_GPU, one_sentence_under_torchrun, two_agents
 
 from companion.launch import launch, script_path
 from companion.scripts import convnext_sharded, dtensor_basics, spmd_data_parallel
 
 pytestmark = pytest.mark.timeout(240)
 
-SIMULATED_GPU = Path(__file__).parent / "scripts" / "simulated_gpu.py"
 CONTROL_MIN = 1e-4  # training without gradient sync moves at least this far
 
 
@@ -48,22 +46,50 @@ CONTROL_MIN = 1e-4  # training without gradient sync moves at least this far
 @pytest.mark.parametrize(
     "script, argv, world_size, said",
     [
-        (spmd_data_parallel, ["--batch-size", "30"], "4",
-         ("--batch-size 30 does not split evenly over 4 processes; use a multiple "
-          "of 4.")),
-        (spmd_data_parallel, ["--steps", "0"], "1",
-         "--steps must be at least 1, not 0."),
-        (convnext_sharded, [], "8",
-         ("with 8 processes each holds 2 column(s) of the last stage, fewer than "
-          "the halo of 3; use fewer processes, or --conv-mode replicate.")),
-        (convnext_sharded, ["--conv-mode", "replicate"], "3",
-         "3 processes do not divide dim 3 (256)."),
-        (convnext_sharded, ["--shard-dim", "0"], "4",
-         "4 processes do not divide dim 0 (2)."),
-        (dtensor_basics, ["--rows", "0"], "1",
-         "--rows and --cols must be positive, not 0 and 8."),
+        (
+            spmd_data_parallel,
+            ["--batch-size", "30"],
+            "4",
+            (
+                "--batch-size 30 does not split evenly over 4 processes; use a multiple "
+                "of 4."
+            ),
+        ),
+        (
+            spmd_data_parallel,
+            ["--steps", "0"],
+            "1",
+            "--steps must be at least 1, not 0.",
+        ),
+        (
+            convnext_sharded,
+            [],
+            "8",
+            (
+                "with 8 processes each holds 2 column(s) of the last stage, fewer than "
+                "the halo of 3; use fewer processes, or --conv-mode replicate."
+            ),
+        ),
+        (
+            convnext_sharded,
+            ["--conv-mode", "replicate"],
+            "3",
+            "3 processes do not divide dim 3 (256).",
+        ),
+        (
+            convnext_sharded,
+            ["--shard-dim", "0"],
+            "4",
+            "4 processes do not divide dim 0 (2).",
+        ),
+        (
+            dtensor_basics,
+            ["--rows", "0"],
+            "1",
+            "--rows and --cols must be positive, not 0 and 8.",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_bad_launch_is_one_sentence(
     script, argv, world_size, said, monkeypatch, capsys
 ):
@@ -122,9 +148,12 @@ def test_each_change_of_placement_costs_its_collective(placements2) -> None:
         "all-reduce": {"calls": 1, "input_bytes": product, "output_bytes": product}
     }
     assert cost["Partial() -> Shard(0)"] == {  # each rank receives only its part
-        "reduce-scatter": {"calls": 1, "input_bytes": product,
-                           "output_bytes": product // 2}
-    }  # fmt: skip
+        "reduce-scatter": {
+            "calls": 1,
+            "input_bytes": product,
+            "output_bytes": product // 2,
+        }
+    }
     after = {step["label"]: step["locals"] for step in placements2["steps"]}
     columns = [[4 + 8 * r + c for c in range(4)] for r in range(4)]  # rank 1's half
     assert after["Shard(0) -> Shard(1)"][1] == columns
@@ -194,8 +223,10 @@ def test_halo_and_replicate_match_and_dtensors_own_padded_conv_does_not() -> Non
     out = launch(
         "checks/convnext_vs_unsharded.py",
         ["--conv-mode", "halo", "replicate", "naive", "--iters", "1"],
-        nproc=4, gpus=False, timeout=200,
-    )  # fmt: skip
+        nproc=4,
+        gpus=False,
+        timeout=200,
+    )
     modes = {m["conv_mode"]: m for m in out["modes"]}
     for mode in ("halo", "replicate"):
         assert modes[mode]["ok"], modes[mode]
@@ -222,8 +253,10 @@ def test_batch_shards_need_no_halo() -> None:
     out = launch(
         "checks/convnext_vs_unsharded.py",
         ["--shard-dim", "0", "--conv-mode", "naive", "--iters", "1"],
-        nproc=2, gpus=False, timeout=200,
-    )  # fmt: skip
+        nproc=2,
+        gpus=False,
+        timeout=200,
+    )
     (mode,) = out["modes"]
     assert out["shard_dim"] == 0 and mode["ok"] and "probe_diff" not in mode
 
@@ -236,21 +269,34 @@ def test_batch_shards_need_no_halo() -> None:
     "script, args",
     [
         ("dtensor_basics.py", []),
-        ("spmd_data_parallel.py", ["--method", "dtensor", "--batch-dim", "1",
-                                   "--optimizer", "adam"]),
+        (
+            "spmd_data_parallel.py",
+            ["--method", "dtensor", "--batch-dim", "1", "--optimizer", "adam"],
+        ),
         ("convnext_sharded.py", ["--steps", "1"]),
     ],
-)  # fmt: skip
+)
 def test_the_gpu_path_runs_on_a_simulated_gpu(script, args, tmp_path) -> None:
     """nccl and a GPU per process, as on a GPU node; the simulation raises what
     CUDA or nccl would (a CPU tensor in a collective, devices mixed)."""
     out = tmp_path / "results.json"
     subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         "--nproc-per-node=2", SIMULATED_GPU, script_path(script), *args,
-         "--results", out],
-        check=True, timeout=220, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            SIMULATED_GPU,
+            script_path(script),
+            *args,
+            "--results",
+            out,
+        ],
+        check=True,
+        timeout=220,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     results = json.loads(out.read_text())
     assert (results["device"], results["backend"]) == ("cuda", "nccl")
 

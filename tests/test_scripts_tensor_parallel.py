@@ -402,12 +402,20 @@ def test_make_adam_steps_a_split_model_with_a_gpus_default_foreach(layout):
         optimizer = tpg.make_adam(model, 1e-3)
         for group in optimizer.param_groups:
             group["foreach"] = True
-        before = [p.detach().full_tensor().clone() if isinstance(p, tpg.DTensor)
-                  else p.detach().clone() for p in model.parameters()]  # fmt: skip
+        before = [
+            p.detach().full_tensor().clone()
+            if isinstance(p, tpg.DTensor)
+            else p.detach().clone()
+            for p in model.parameters()
+        ]
         tpg.train_step(model, optimizer, x, y)
-    kinds = [{isinstance(p, tpg.DTensor) for p in g["params"]}
-             for g in optimizer.param_groups]  # fmt: skip
+    kinds = [
+        {isinstance(p, tpg.DTensor) for p in g["params"]}
+        for g in optimizer.param_groups
+    ]
     assert kinds == [{True}, {False}]
-    after = [p.detach().full_tensor() if isinstance(p, tpg.DTensor) else p.detach()
-             for p in model.parameters()]  # fmt: skip
+    after = [
+        p.detach().full_tensor() if isinstance(p, tpg.DTensor) else p.detach()
+        for p in model.parameters()
+    ]
     assert all(not torch.equal(a, b) for a, b in zip(before, after))

@@ -2,7 +2,7 @@
 
 Each topology runs every script of companion/scripts to its end (a few
 training steps, past the first) on its GPU path, under
-tests/scripts/simulated_gpu.py: nccl and ``cuda:N`` as the script sees them,
+tests/programs/simulated_gpu.py: nccl and ``cuda:N`` as the script sees them,
 gloo and the CPU underneath. The simulation gives each node the GPUs the
 topology names and each process those that ``CUDA_VISIBLE_DEVICES`` lists,
 and raises what CUDA or nccl would when a process names a GPU it does not
@@ -40,14 +40,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from launchers import clean_environment, free_port
+from launchers import SIMULATED_GPU, clean_environment, free_port
 
 from companion.launch import script_path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "companion" / "scripts"
-SIMULATED_GPU = ROOT / "tests" / "scripts" / "simulated_gpu.py"
-DDP_GONE = ROOT / "tests" / "scripts" / "ddp_gone_at_destroy.py"
+DDP_GONE = ROOT / "tests" / "programs" / "ddp_gone_at_destroy.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 # A few steps of each script: enough to get past the first.
 TINY = {
@@ -74,9 +73,13 @@ TINY = {
     "tensor_parallel_gpt.py": ["--steps", "2", "--n-layer", "1"],
 }
 TOPOLOGIES = (
-    "python", "torchrun", "srun-gpu-per-task", "srun-every-gpu",
-    "visible-subset", "two-nodes",
-)  # fmt: skip
+    "python",
+    "torchrun",
+    "srun-gpu-per-task",
+    "srun-every-gpu",
+    "visible-subset",
+    "two-nodes",
+)
 
 
 def processes(topology: str, program: list[str]) -> list[tuple[list, dict]]:
@@ -90,14 +93,28 @@ def processes(topology: str, program: list[str]) -> list[tuple[list, dict]]:
     if topology == "visible-subset":
         return [(node, {"SIMULATED_GPUS": "4", "CUDA_VISIBLE_DEVICES": "1,3"})]
     if topology == "two-nodes":
-        agent = [*TORCHRUN, "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
-                 f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=nodes", *program]  # fmt: skip
+        agent = [
+            *TORCHRUN,
+            "--nnodes=2",
+            "--nproc-per-node=1",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-id=nodes",
+            *program,
+        ]
         return [(agent, {"SIMULATED_GPUS": "1"})] * 2
     tasks = []
     for task in (0, 1):  # what srun sets for each task on one node of 2 GPUs
-        env = {"SLURM_PROCID": str(task), "SLURM_LOCALID": str(task),
-               "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NODEID": "0",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "SIMULATED_GPUS": "2"}  # fmt: skip
+        env = {
+            "SLURM_PROCID": str(task),
+            "SLURM_LOCALID": str(task),
+            "SLURM_NTASKS": "2",
+            "SLURM_NTASKS_PER_NODE": "2",
+            "SLURM_NODEID": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "SIMULATED_GPUS": "2",
+        }
         if topology == "srun-gpu-per-task":
             env["CUDA_VISIBLE_DEVICES"] = str(task)
         tasks.append(([sys.executable, *program], env))
@@ -109,8 +126,13 @@ def run_on_simulated_gpus(
 ) -> tuple[dict, str]:
     """Launch ``script`` as ``topology`` describes; return rank 0's results and the output."""
     results = tmp_path / "results.json"
-    program = [str(SIMULATED_GPU), str(SCRIPTS / script), *map(str, args),
-               "--results", str(results)]  # fmt: skip
+    program = [
+        str(SIMULATED_GPU),
+        str(SCRIPTS / script),
+        *map(str, args),
+        "--results",
+        str(results),
+    ]
     base = clean_environment(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     base = {k: v for k, v in base.items() if k != "CUDA_VISIBLE_DEVICES"}
     with contextlib.ExitStack() as stack:  # logs in files: a full pipe would block
@@ -118,10 +140,16 @@ def run_on_simulated_gpus(
         for n, (command, env) in enumerate(processes(topology, program)):
             logs.append(tmp_path / f"process{n}.log")
             log = stack.enter_context(open(logs[-1], "w"))
-            procs.append(subprocess.Popen(
-                command, env={**base, **env}, stdout=log, stderr=subprocess.STDOUT,
-                cwd=tmp_path, start_new_session=True,
-            ))  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    command,
+                    env={**base, **env},
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=tmp_path,
+                    start_new_session=True,
+                )
+            )
         try:
             codes = [p.wait(timeout=timeout) for p in procs]
         finally:
@@ -138,10 +166,17 @@ def data_file(tmp_path_factory) -> Path:
     """ddp_resnet.py's data: 16 training and 8 test images of 8 x 8 pixels."""
     path = tmp_path_factory.mktemp("data") / "images.pt"
     gen = torch.Generator().manual_seed(0)
-    torch.save({f"{part}_{kind}": tensor for part, n in (("train", 16), ("test", 8))
-                for kind, tensor in (("images", torch.rand(n, 1, 8, 8, generator=gen)),
-                                     ("labels", torch.randint(0, 10, (n,), generator=gen)))},
-               path)  # fmt: skip
+    torch.save(
+        {
+            f"{part}_{kind}": tensor
+            for part, n in (("train", 16), ("test", 8))
+            for kind, tensor in (
+                ("images", torch.rand(n, 1, 8, 8, generator=gen)),
+                ("labels", torch.randint(0, 10, (n,), generator=gen)),
+            )
+        },
+        path,
+    )
     return path
 
 
@@ -165,14 +200,34 @@ def test_every_script_has_tiny_settings_here():
 
 DDP_CHECKS = {
     "checks/ddp_scaling.py": [*TINY["ddp_resnet.py"], "--timing-rounds", "1"],
-    "checks/cost_of_talking.py": ["--n-layer", "1", "--n-embd", "32", "--seq-len", "8",
-                                  "--caps", "1", "--rounds", "3", "--traces", "3",
-                                  "--max-bytes", "4096", "--min-bytes", "1024"],
-}  # fmt: skip
+    "checks/cost_of_talking.py": [
+        "--n-layer",
+        "1",
+        "--n-embd",
+        "32",
+        "--seq-len",
+        "8",
+        "--caps",
+        "1",
+        "--rounds",
+        "3",
+        "--traces",
+        "3",
+        "--max-bytes",
+        "4096",
+        "--min-bytes",
+        "1024",
+    ],
+}
 DDP_USERS = sorted(
-    [p.name for p in SCRIPTS.glob("*.py") if "DistributedDataParallel(" in p.read_text()
-     or "DistributedDataParallel as DDP" in p.read_text()] + list(DDP_CHECKS)
-)  # fmt: skip
+    [
+        p.name
+        for p in SCRIPTS.glob("*.py")
+        if "DistributedDataParallel(" in p.read_text()
+        or "DistributedDataParallel as DDP" in p.read_text()
+    ]
+    + list(DDP_CHECKS)
+)
 
 
 @pytest.mark.slow
@@ -182,12 +237,19 @@ def test_every_ddp_script_drops_its_model_before_it_destroys_its_group(
     script, tmp_path
 ):
     """A DDP model alive at ``destroy_process_group()`` can hang the process
-    (tests/scripts/ddp_gone_at_destroy.py says how); the wrapper exits with 3
+    (tests/programs/ddp_gone_at_destroy.py says how); the wrapper exits with 3
     if one is."""
     args = DDP_CHECKS.get(script, TINY.get(script))
-    command = [*TORCHRUN, "--standalone", "--nproc-per-node=2", str(DDP_GONE),
-               str(script_path(script)), *args]  # fmt: skip
+    command = [
+        *TORCHRUN,
+        "--standalone",
+        "--nproc-per-node=2",
+        str(DDP_GONE),
+        str(script_path(script)),
+        *args,
+    ]
     env = clean_environment(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    done = subprocess.run(command, env=env, capture_output=True, text=True,
-                          cwd=tmp_path, timeout=280)  # fmt: skip
+    done = subprocess.run(
+        command, env=env, capture_output=True, text=True, cwd=tmp_path, timeout=280
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]

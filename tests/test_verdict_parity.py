@@ -104,15 +104,20 @@ def test_streams_balance_the_stored_run_times(tmp_path):
     assert sorted(p for g in groups for p in g) == paths
     totals = sorted(sum(vp.stored_seconds(p) for p in g) for g in groups)
     assert totals == [11, 12]  # 10 + 2 and 8 + 3
-    assert vp.streams(paths, 9) == [[p] for p in sorted(paths, key=vp.stored_seconds,
-                                                        reverse=True)]  # fmt: skip
+    assert vp.streams(paths, 9) == [
+        [p] for p in sorted(paths, key=vp.stored_seconds, reverse=True)
+    ]
 
 
 def test_each_stream_gets_its_own_contiguous_cores(monkeypatch):
     monkeypatch.setattr(vp.os, "sched_getaffinity", lambda pid: set(range(16)))
     assert vp.core_shares(1) == [None]
-    assert vp.core_shares(4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11],
-                                 [12, 13, 14, 15]]  # fmt: skip
+    assert vp.core_shares(4) == [
+        [0, 1, 2, 3],
+        [4, 5, 6, 7],
+        [8, 9, 10, 11],
+        [12, 13, 14, 15],
+    ]
     with pytest.raises(SystemExit, match="--jobs 17 needs at least 17 cores"):
         vp.core_shares(17)
 
@@ -121,8 +126,10 @@ def test_each_stream_gets_its_own_contiguous_cores(monkeypatch):
 def test_parallel_streams_run_pinned_kernels_and_keep_each_copy(tmp_path):
     """Two chapters at once on this machine's cores, one core each; the executed
     copies are saved, and a verdict that flips still fails the run."""
-    code = ("import os; n = len(os.sched_getaffinity(0)); print('cores:', n)\n"
-            "print(f'✓ it holds: {\"yes\" if n == {n} else \"NO\"}')")  # fmt: skip
+    code = (
+        "import os; n = len(os.sched_getaffinity(0)); print('cores:', n)\n"
+        'print(f\'✓ it holds: {"yes" if n == {n} else "NO"}\')'
+    )
     cores = len(vp.os.sched_getaffinity(0))
     if cores < 2:
         pytest.skip("needs two cores")
@@ -130,13 +137,21 @@ def test_parallel_streams_run_pinned_kernels_and_keep_each_copy(tmp_path):
     for name in ("one", "two"):
         timed_notebook(tmp_path / f"{name}.ipynb", 1, code.replace("{n}", str(share)))
         nb = nbformat.read(tmp_path / f"{name}.ipynb", as_version=4)
-        nb.cells[0].outputs = [nbformat.v4.new_output(
-            "stream", name="stdout", text="✓ it holds: yes\n")]  # fmt: skip
+        nb.cells[0].outputs = [
+            nbformat.v4.new_output("stream", name="stdout", text="✓ it holds: yes\n")
+        ]
         nbformat.write(nb, tmp_path / f"{name}.ipynb")
     paths = [tmp_path / "one.ipynb", tmp_path / "two.ipynb"]
     saved, table = tmp_path / "saved", tmp_path / "table.md"
-    args = [*map(str, paths), "--jobs", "2", "--save", str(saved),
-            "--table", str(table)]  # fmt: skip
+    args = [
+        *map(str, paths),
+        "--jobs",
+        "2",
+        "--save",
+        str(saved),
+        "--table",
+        str(table),
+    ]
     assert vp.main(args) == 0
     for path in paths:
         out = nbformat.read(saved / path.name, as_version=4).cells[0].outputs
@@ -160,7 +175,9 @@ def test_a_cell_that_raises_is_named_and_the_cells_after_it_count_as_absent(
     nbformat.write(nb, path)
     assert vp.main([str(path), "--table", str(tmp_path / "table.md")]) == 1
     said = capsys.readouterr().out
-    assert ("FAILED ch: cell 1: ZeroDivisionError: division by zero "
-            "(its stderr ends: to stderr)") in said  # fmt: skip
+    assert (
+        "FAILED ch: cell 1: ZeroDivisionError: division by zero "
+        "(its stderr ends: to stderr)"
+    ) in said
     table = (tmp_path / "table.md").read_text()
     assert "| ch | 2 | after | yes | absent | FAILED |" in table

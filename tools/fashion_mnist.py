@@ -92,8 +92,11 @@ def main(argv: list[str] | None = None) -> int:
         ("train", slice(0, TRAIN_PER_CLASS)),
         ("t10k", slice(TRAIN_PER_CLASS, None)),
     ):
-        pairs = [(image, label) for label, images in enumerate(per_class)
-                 for image in images[part]]  # fmt: skip
+        pairs = [
+            (image, label)
+            for label, images in enumerate(per_class)
+            for image in images[part]
+        ]
         rng.shuffle(pairs)
         write_idx([p[0] for p in pairs], [p[1] for p in pairs], raw, prefix)
     print(f"Fashion-MNIST written to {raw}: 60,000 training and 10,000 test images.")

@@ -118,13 +118,28 @@ def run_nbval(notebooks: list[Path], env: dict[str, str]) -> list[tuple[str, str
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
         subprocess.run(
-            [sys.executable, "-m", "pytest", *map(str, notebooks), "--nbval",
-             "--nbval-current-env", "--nbval-sanitize-with",
-             str(ROOT / "tests" / "nbval_sanitize.cfg"), "-p", "no:cacheprovider",
-             "-q", "-o", "junit_family=xunit1", f"--junitxml={junit}"],
-            cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True,
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                *map(str, notebooks),
+                "--nbval",
+                "--nbval-current-env",
+                "--nbval-sanitize-with",
+                str(ROOT / "tests" / "nbval_sanitize.cfg"),
+                "-p",
+                "no:cacheprovider",
+                "-q",
+                "-o",
+                "junit_family=xunit1",
+                f"--junitxml={junit}",
+            ],
+            cwd=ROOT,
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
             check=False,
-        )  # fmt: skip
+        )
         if not junit.is_file():
             return [("(all)", "(none)", "pytest wrote no report: it could not start.")]
         return failures(junit)
@@ -138,8 +153,13 @@ def short(diff: str, lines: int = 30) -> str:
     return "\n".join(kept[:lines] + (["..."] if len(kept) > lines else []))
 
 
-def report(changes: list[Change], rounds: int, conditions: list[str],
-           notebooks: list[Path], seconds: float) -> str:  # fmt: skip
+def report(
+    changes: list[Change],
+    rounds: int,
+    conditions: list[str],
+    notebooks: list[Path],
+    seconds: float,
+) -> str:
     """The Markdown report of a hunt."""
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     cpu = platform.processor() or platform.machine()
@@ -163,8 +183,14 @@ def report(changes: list[Change], rounds: int, conditions: list[str],
         f"| {c.round} | {c.condition} | {c.notebook} | {c.cell} |" for c in changes
     ]
     for c in changes:
-        lines += ["", f"## {c.notebook}, {c.cell} ({c.condition}, round {c.round})",
-                  "", "```", short(c.diff), "```"]  # fmt: skip
+        lines += [
+            "",
+            f"## {c.notebook}, {c.cell} ({c.condition}, round {c.round})",
+            "",
+            "```",
+            short(c.diff),
+            "```",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -203,11 +229,21 @@ def main(argv: list[str] | None = None) -> int:
                     for nb, cell, _ in changed:
                         print(f"    {nb} {cell}", flush=True)
             changes += [Change(round_, condition, *f) for f in found]
-            print(f"round {round_}, {condition}: {len(found)} cell(s) changed, "
-                  f"{time.monotonic() - t:.0f} s", flush=True)  # fmt: skip
+            print(
+                f"round {round_}, {condition}: {len(found)} cell(s) changed, "
+                f"{time.monotonic() - t:.0f} s",
+                flush=True,
+            )
             # after every condition, so that an interrupted hunt leaves its findings
-            args.report.write_text(report(changes, args.rounds, conditions, notebooks,
-                                          time.monotonic() - start))  # fmt: skip
+            args.report.write_text(
+                report(
+                    changes,
+                    args.rounds,
+                    conditions,
+                    notebooks,
+                    time.monotonic() - start,
+                )
+            )
     print(f"report: {args.report}; {len(changes)} change(s)")
     return 1 if changes else 0
 

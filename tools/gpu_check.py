@@ -26,7 +26,7 @@ executes the chapters in N streams, each on its own share of the cores
 verdict that flips in such a run is rerun alone before it is believed. Without a
 GPU it says so in one sentence and exits with 2. ``--simulate`` runs step 1
 on a CPU instead, every script on its GPU path under
-``tests/scripts/simulated_gpu.py`` (two simulated GPUs: nccl and ``cuda:N``
+``tests/programs/simulated_gpu.py`` (two simulated GPUs: nccl and ``cuda:N``
 as the script sees them, gloo and the CPU underneath), which catches
 collectives on CPU tensors and CPU tensors meeting GPU tensors; the tests
 run it in ``make test-slow``.
@@ -48,7 +48,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "companion" / "scripts"
-SIMULATED_GPU = ROOT / "tests" / "scripts" / "simulated_gpu.py"
+SIMULATED_GPU = ROOT / "tests" / "programs" / "simulated_gpu.py"
 # Small settings for each script: a minute or less on one GPU.
 SMOKE: dict[str, list[str]] = {
     "hello_distributed.py": [],
@@ -95,10 +95,17 @@ def run_script(
         results = Path(tmp) / "results.json"
         program = [str(SIMULATED_GPU)] if simulate else []
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={nproc}", *program, str(SCRIPTS / name), *SMOKE[name],
-            "--results", str(results),
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            *program,
+            str(SCRIPTS / name),
+            *SMOKE[name],
+            "--results",
+            str(results),
+        ]
         env = {**os.environ, "SIMULATED_GPUS": str(nproc)} if simulate else None
         start = time.monotonic()
         try:
@@ -166,28 +173,43 @@ def main(argv: list[str] | None = None) -> int:
         print("make test-gpu needs a CUDA GPU, and this machine has none.")
         return 2
     names = sorted({torch.cuda.get_device_name(i) for i in range(gpus)})
-    print(f"test-gpu: {gpus} x {', '.join(names)}, torch {torch.__version__}",
-          flush=True)  # fmt: skip
+    print(
+        f"test-gpu: {gpus} x {', '.join(names)}, torch {torch.__version__}", flush=True
+    )
     failed = 0
     if args.only in (None, "scripts"):
         failed += run_scripts(gpus, args.timeout, args.jobs, False, args.logs)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if args.only in (None, "chapters"):
-        parity = [sys.executable, ROOT / "tools" / "verdict_parity.py",
-                  "--jobs", str(args.jobs), *args.notebooks]  # fmt: skip
+        parity = [
+            sys.executable,
+            ROOT / "tools" / "verdict_parity.py",
+            "--jobs",
+            str(args.jobs),
+            *args.notebooks,
+        ]
         if args.logs:
-            parity += ["--save", args.logs / "chapters",
-                       "--table", args.logs / "verdict_parity.md"]  # fmt: skip
+            parity += [
+                "--save",
+                args.logs / "chapters",
+                "--table",
+                args.logs / "verdict_parity.md",
+            ]
         failed += subprocess.run(parity, env=env, cwd=ROOT).returncode != 0
     if args.only in (None, "tests"):
         tests = subprocess.run(
             [sys.executable, "-m", "pytest", "tests", "-m", "gpu", "-q", "-rA"],
-            cwd=ROOT, capture_output=bool(args.logs), text=True,
-        )  # fmt: skip
+            cwd=ROOT,
+            capture_output=bool(args.logs),
+            text=True,
+        )
         if args.logs:
             (args.logs / "pytest.log").write_text(tests.stdout + tests.stderr)
-            print(tests.stdout.strip().splitlines()[-1] if tests.stdout.strip() else
-                  tests.stderr.strip())  # fmt: skip
+            print(
+                tests.stdout.strip().splitlines()[-1]
+                if tests.stdout.strip()
+                else tests.stderr.strip()
+            )
         failed += tests.returncode not in (0, 5)  # 5: no test collected
     print("test-gpu:", "FAILED" if failed else "green")
     return 1 if failed else 0

@@ -38,7 +38,8 @@ book() {
 # (marked slow) run in `make test-slow`; CI runs both. The unit and script
 # tests run two at a time (pytest-xdist), a file at a time per worker, so that
 # a module's costly fixture starts its processes once.
-step "lint (ruff check: pyproject.toml's rules)" $BIN/ruff check --quiet .
+lint() { $BIN/ruff check --quiet . && $BIN/ruff format --check --quiet .; }
+step "lint (ruff check: pyproject.toml's rules; ruff format --check, notebooks too)" lint
 book_log=$(mktemp)
 set -m  # the book's job in a process group of its own, to stop on an interrupt
 book > "$book_log" 2>&1 &

@@ -128,8 +128,9 @@ def compare(
                 ),
                 "",
             )
-            if was == now or (was == "absent" and now == "yes"
-                              and DEVICE_CLAIM.match(claim)):  # fmt: skip
+            if was == now or (
+                was == "absent" and now == "yes" and DEVICE_CLAIM.match(claim)
+            ):
                 status = "same" if was == now else "device"
             elif now == "absent" and DEVICE_CLAIM.match(claim):
                 status = "device"
@@ -199,10 +200,13 @@ def describe_error(nb: nbformat.NotebookNode, err: CellExecutionError) -> str:
     (IPython then prints it to stderr and sends none).
     """
     index = next(
-        (i for i, c in enumerate(nb.cells)
-         if any(o.output_type == "error" for o in c.get("outputs", []))),
+        (
+            i
+            for i, c in enumerate(nb.cells)
+            if any(o.output_type == "error" for o in c.get("outputs", []))
+        ),
         None,
-    )  # fmt: skip
+    )
     if index is None:  # no error output: the last cell that ran
         index = max(
             (i for i, c in enumerate(nb.cells) if c.get("execution_count")), default=-1
@@ -253,8 +257,9 @@ def core_shares(jobs: int) -> list[list[int] | None]:
         return [None]
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < jobs:
-        raise SystemExit(f"--jobs {jobs} needs at least {jobs} cores; there are "
-                         f"{len(cores)}.")  # fmt: skip
+        raise SystemExit(
+            f"--jobs {jobs} needs at least {jobs} cores; there are {len(cores)}."
+        )
     size = len(cores) // jobs
     return [cores[i * size : (i + 1) * size] for i in range(jobs)]
 
@@ -298,9 +303,12 @@ def run_chapter(
         nbformat.write(fresh, args.save / path.name)
     chapter = path.stem
     found = compare(
-        chapter, verdicts(nbformat.read(path, as_version=4)), verdicts(fresh),
-        context, reasons,
-    )  # fmt: skip
+        chapter,
+        verdicts(nbformat.read(path, as_version=4)),
+        verdicts(fresh),
+        context,
+        reasons,
+    )
     bad = [r for r in found if r.status == "FAILED"]
     counts = {
         s: sum(r.status == s for r in found) for s in ("same", "device", "explained")
@@ -311,8 +319,10 @@ def run_chapter(
         lines.append(f"FAILED {chapter}: {error} ({summary})")
     else:
         mark = "FAILED" if bad else "ok"
-        lines.append(f"{mark} {chapter}: {summary or 'no verdicts'}, "
-                     f"{len(bad)} unexplained, {time.monotonic() - start:.0f} s")  # fmt: skip
+        lines.append(
+            f"{mark} {chapter}: {summary or 'no verdicts'}, "
+            f"{len(bad)} unexplained, {time.monotonic() - start:.0f} s"
+        )
     lines += [
         f"    cell {r.cell}: {r.claim}: stored {r.stored}, here {r.here}" for r in bad
     ]
@@ -352,8 +362,11 @@ def main(argv: list[str] | None = None) -> int:
         return [run_chapter(p, args, context, reasons, cores) for p in groups[i]]
 
     with ThreadPoolExecutor(len(groups)) as pool:
-        done = [result for stream in pool.map(run_stream, range(len(groups)))
-                for result in stream]  # fmt: skip
+        done = [
+            result
+            for stream in pool.map(run_stream, range(len(groups)))
+            for result in stream
+        ]
     rows = [row for found, _ in done for row in found]
     failed = sum(bad for _, bad in done)
     args.table.parent.mkdir(parents=True, exist_ok=True)

@@ -11,13 +11,22 @@ from __future__ import annotations
 from sphinx.application import Sphinx
 
 
-def drop_repeated_scripts(app: Sphinx, pagename: str, templatename: str, context: dict, doctree) -> None:
+def drop_repeated_scripts(
+    app: Sphinx, pagename: str, templatename: str, context: dict, doctree
+) -> None:
     """Keep the first of the scripts with the same file name and attributes (body included)."""
     seen, unique = set(), []
     for script in context.get("script_files", []):
         # The same inline script is registered once with filename None and once with "".
         name = getattr(script, "filename", script) or ""
-        key = (str(name), tuple(sorted((k, str(v)) for k, v in getattr(script, "attributes", {}).items())))
+        key = (
+            str(name),
+            tuple(
+                sorted(
+                    (k, str(v)) for k, v in getattr(script, "attributes", {}).items()
+                )
+            ),
+        )
         if key not in seen:
             seen.add(key)
             unique.append(script)

@@ -48,7 +48,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from companion.checking import every_rank, finish, first_miss, print0, tolerance
+from companion.checks._shared import every_rank, finish, first_miss, print0, tolerance
 from companion.long_context import (
     attention_saved_bytes,
     chunks_held,

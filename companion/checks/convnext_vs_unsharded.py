@@ -127,8 +127,12 @@ def measure(model, x, y, iters: int, device: torch.device) -> dict:
         else:
             forward.append(t1 - t0)
             backward.append(t2 - t1)
-    return {"saved_bytes": saved_bytes, "forward_s": forward, "backward_s": backward,
-            "peak_bytes": peak_bytes(device)}  # fmt: skip
+    return {
+        "saved_bytes": saved_bytes,
+        "forward_s": forward,
+        "backward_s": backward,
+        "peak_bytes": peak_bytes(device),
+    }
 
 
 def parse_args() -> argparse.Namespace:
@@ -179,12 +183,18 @@ def main() -> None:
     if rank == 0 and args.results:
         with open(args.results, "w") as f:
             json.dump(
-                {**cs.where_it_ran(device), "torch": torch.__version__.split("+")[0],
-                 "world_size": world_size, "config": config,
-                 "shard_dim": args.shard_dim, "tolerance": TOLERANCE,
-                 "reference_saved_bytes": unsharded.nbytes, "modes": modes},
+                {
+                    **cs.where_it_ran(device),
+                    "torch": torch.__version__.split("+")[0],
+                    "world_size": world_size,
+                    "config": config,
+                    "shard_dim": args.shard_dim,
+                    "tolerance": TOLERANCE,
+                    "reference_saved_bytes": unsharded.nbytes,
+                    "modes": modes,
+                },
                 f,
-            )  # fmt: skip
+            )
     dist.destroy_process_group()
 
 

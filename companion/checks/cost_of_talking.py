@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from companion.checking import DeviceClock
+from companion.checks._shared import DeviceClock
 from companion.comm_costs import exposed_communication
 from companion.devices import cpu_count
 from companion.gpt import GPT, GPTConfig, lm_loss
@@ -112,9 +112,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_model(n_layer: int, args: argparse.Namespace, device: torch.device) -> GPT:
     torch.manual_seed(0)  # the same initial model on every rank
     config = GPTConfig(
-        vocab_size=64, block_size=args.seq_len, n_layer=n_layer, n_head=4,
+        vocab_size=64,
+        block_size=args.seq_len,
+        n_layer=n_layer,
+        n_head=4,
         n_embd=args.n_embd,
-    )  # fmt: skip
+    )
     return GPT(config).to(device)
 
 
@@ -306,18 +309,23 @@ def ddp_part(args, rank: int, group, device) -> dict:
     }
     variants |= {name: (lambda d=d: step(d, x, y)) for name, d in ddps.items()}
     # The fit's all-reduces take turns with the steps, so both meet the same load.
-    blocks = {f"all-reduce {b} B": (b, call, k)
-              for b, call, k in zip(counted, calls, repeats)}  # fmt: skip
+    blocks = {
+        f"all-reduce {b} B": (b, call, k) for b, call, k in zip(counted, calls, repeats)
+    }
     variants |= {
         name: (lambda call=call, k=k: [call() for _ in range(k)])
         for name, (_, call, k) in blocks.items()
     }
     measured = time_variants(variants, args.rounds, group, device)
     all_reduce = [
-        {"kind": "all_reduce", "processes": n, "bytes": b,
-         "seconds": measured.pop(name)["median"] / k}
+        {
+            "kind": "all_reduce",
+            "processes": n,
+            "bytes": b,
+            "seconds": measured.pop(name)["median"] / k,
+        }
         for name, (b, _, k) in blocks.items()
-    ]  # fmt: skip
+    ]
     return {
         "device": device.type,
         "backend": dist.get_backend(group),
@@ -332,10 +340,12 @@ def ddp_part(args, rank: int, group, device) -> dict:
         "step": measured,
         "buckets": {name: ddp_buckets(d) for name, d in ddps.items()},
         "trace": median_trace(
-            [profiled_step(lambda: step(default, x, y), group, device)
-             for _ in range(args.traces)]
+            [
+                profiled_step(lambda: step(default, x, y), group, device)
+                for _ in range(args.traces)
+            ]
         ),
-    }  # fmt: skip
+    }
 
 
 def compiled_part(args, rank: int, group, device) -> dict:
@@ -347,9 +357,12 @@ def compiled_part(args, rank: int, group, device) -> dict:
 
     def counting_backend(gm: torch.fx.GraphModule, example_inputs):
         targets = [str(node.target) for node in gm.graph.nodes]
-        graphs.append({
-            "nodes": len(targets), "all_reduces": sum("all_reduce" in t for t in targets),
-        })  # fmt: skip
+        graphs.append(
+            {
+                "nodes": len(targets),
+                "all_reduces": sum("all_reduce" in t for t in targets),
+            }
+        )
         return backend(gm, example_inputs)
 
     model = build_model(args.compile_layers, args, device)
@@ -416,9 +429,15 @@ def main() -> None:
     if world_size < 2 or max(args.groups) > world_size or min(args.groups) < 2:
         fail(f"launch at least 2 processes, and groups of 2 to {world_size} of them")
     bench = collective_bench.parse_args(
-        ["--groups", *map(str, args.groups), "--min-bytes", str(args.min_bytes),
-         "--max-bytes", str(args.max_bytes)]
-    )  # fmt: skip
+        [
+            "--groups",
+            *map(str, args.groups),
+            "--min-bytes",
+            str(args.min_bytes),
+            "--max-bytes",
+            str(args.max_bytes),
+        ]
+    )
     job = psutil.Process(os.getppid())  # the ranks' parent: torchrun's or fast_start
     with OtherLoad(tree=job) as others:  # what other programs took meanwhile
         measurements = collective_bench.sweep(bench, rank, world_size, device)

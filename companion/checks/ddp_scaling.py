@@ -36,9 +36,12 @@ from companion.scripts import ddp_resnet
 
 
 def time_parts(
-    ddp_model: DDP, train_set: TensorDataset, micro_batch: int, rounds: int,
+    ddp_model: DDP,
+    train_set: TensorDataset,
+    micro_batch: int,
+    rounds: int,
     device: torch.device,
-) -> dict:  # fmt: skip
+) -> dict:
     """Median seconds of computation, communication and a full step (see the module)."""
     loader = DataLoader(train_set, micro_batch, sampler=DistributedSampler(train_set))
     batches = []

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.flop_counter import FlopCounterMode
 
-from companion.checking import every_rank, finish, first_miss, print0, tolerance
+from companion.checks._shared import every_rank, finish, first_miss, print0, tolerance
 from companion.long_context import (
     all_to_all_bytes_per_rank,
     dropless_bytes_per_rank,

@@ -59,7 +59,7 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.tensor import DTensor, init_device_mesh
 
-from companion.checking import clock, every_rank, finish, print0, tolerance
+from companion.checks._shared import clock, every_rank, finish, print0, tolerance
 from companion.collectives import CollectiveCounter
 from companion.gpt import GPTConfig, plain_losses
 from companion.memory import LiveTensors, shard_rows, tensor_bytes

@@ -18,8 +18,8 @@ import argparse
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from companion.checking import finish
 from companion.checks import context_parallel, expert_parallel
+from companion.checks._shared import finish
 
 
 def parse_args() -> argparse.Namespace:

@@ -11,7 +11,7 @@ model on the same batches, and measures:
 
 - the timeline: when each stage starts and ends the forward and the backward
   pass of each micro-batch, from a barrier at the start of the step, on the
-  device's own timeline (``companion.checking.DeviceClock``: CUDA events on a
+  device's own timeline (``companion.checks._shared.DeviceClock``: CUDA events on a
   GPU, read after the step, so that timing every pass adds no
   synchronisation; the host clock on a CPU). The bubble of a step is the share of
   the step, from its common start to the last stage's end, that a process
@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from companion.checking import (
+from companion.checks._shared import (
     DeviceClock,
     clock,
     every_rank,

@@ -73,9 +73,14 @@ def compare(args: argparse.Namespace, device: torch.device, mesh) -> list[dict]:
         diff = largest_difference(trained(method, start, args, batches, mesh), ddp)
         say(f"{model:12s} {optimizer:24s} {name:19s} max diff vs DDP = {diff:.1e}")
         rows.append(
-            {"model": model, "optimizer": optimizer, "method": name,
-             "max_abs_diff": diff, "ddp_moved": moved}
-        )  # fmt: skip
+            {
+                "model": model,
+                "optimizer": optimizer,
+                "method": name,
+                "max_abs_diff": diff,
+                "ddp_moved": moved,
+            }
+        )
     return rows
 
 
@@ -98,10 +103,19 @@ def main() -> None:
     for batch_dim in (0, 1):
         for optimizer in OPTIMIZERS:
             run = sp.parse_args(
-                ["--optimizer", optimizer, "--batch-dim", str(batch_dim), "--dtype",
-                 "float64", "--steps", str(args.steps), "--batch-size",
-                 str(args.batch_size)]
-            )  # fmt: skip
+                [
+                    "--optimizer",
+                    optimizer,
+                    "--batch-dim",
+                    str(batch_dim),
+                    "--dtype",
+                    "float64",
+                    "--steps",
+                    str(args.steps),
+                    "--batch-size",
+                    str(args.batch_size),
+                ]
+            )
             rows += compare(run, device, mesh)
     spmd = [r["max_abs_diff"] for r in rows if r["method"] != CONTROL]
     control = [r["max_abs_diff"] for r in rows if r["method"] == CONTROL]
@@ -113,11 +127,17 @@ def main() -> None:
         if args.results:
             with open(args.results, "w") as f:
                 json.dump(
-                    {**sp.where_it_ran(device), "world_size": world_size,
-                     "steps": args.steps, "batch_size": args.batch_size,
-                     "dtype": "float64", "tolerance": TOLERANCE, "rows": rows},
+                    {
+                        **sp.where_it_ran(device),
+                        "world_size": world_size,
+                        "steps": args.steps,
+                        "batch_size": args.batch_size,
+                        "dtype": "float64",
+                        "tolerance": TOLERANCE,
+                        "rows": rows,
+                    },
                     f,
-                )  # fmt: skip
+                )
     dist.destroy_process_group()
 
 

@@ -65,7 +65,7 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.tensor import DTensor
 
-from companion.checking import (
+from companion.checks._shared import (
     DeviceClock,
     clock,
     every_rank,

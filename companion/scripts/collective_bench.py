@@ -96,8 +96,8 @@ def setup_distributed(timeout_s: float = 600) -> tuple[int, int, int, torch.devi
 
 def where_it_ran(device: torch.device) -> dict:
     """The device, backend, processes and threads a result was measured with."""
-    return {"device": device.type, "backend": dist.get_backend(),
-            "world_size": dist.get_world_size(), "threads": torch.get_num_threads()}  # fmt: skip
+    run = {"device": device.type, "world_size": dist.get_world_size()}
+    return {**run, "backend": dist.get_backend(), "threads": torch.get_num_threads()}
 
 
 # ---- end of set-up
@@ -205,16 +205,26 @@ def sweep(args, rank: int, world_size: int, device: torch.device) -> list[dict]:
         ranks = list(range(n))
         group = dist.group.WORLD if n == world_size else dist.new_group(ranks)
         # a send has one partner: it is measured in the group of 2 only
-        cells = [(k, s) for k in args.collectives if k != "send_recv" or n == 2
-                 for s in sizes]  # fmt: skip
+        cells = [
+            (k, s)
+            for k in args.collectives
+            if k != "send_recv" or n == 2
+            for s in sizes
+        ]
         if rank in ranks:
             calls, counted = zip(*(make_call(k, s, group, n, device) for k, s in cells))
             seconds = time_calls(calls, group, device, args.block_time, args.blocks)
             for (kind, _), nbytes, t in zip(cells, counted, seconds):
-                rows.append({
-                    "kind": kind, "processes": n, "bytes": nbytes, "seconds": t,
-                    "algbw": nbytes / t, "busbw": nbytes / t * bus_factor(kind, n),
-                })  # fmt: skip
+                rows.append(
+                    {
+                        "kind": kind,
+                        "processes": n,
+                        "bytes": nbytes,
+                        "seconds": t,
+                        "algbw": nbytes / t,
+                        "busbw": nbytes / t * bus_factor(kind, n),
+                    }
+                )
         dist.barrier()  # the ranks outside the group wait here
     return rows
 

@@ -107,8 +107,8 @@ def setup_distributed(timeout_s: float = 600) -> tuple[int, int, int, torch.devi
 
 def where_it_ran(device: torch.device) -> dict:
     """The device, backend, processes and threads a result was measured with."""
-    return {"device": device.type, "backend": dist.get_backend(),
-            "world_size": dist.get_world_size(), "threads": torch.get_num_threads()}  # fmt: skip
+    run = {"device": device.type, "world_size": dist.get_world_size()}
+    return {**run, "backend": dist.get_backend(), "threads": torch.get_num_threads()}
 
 
 # ---- end of set-up
@@ -122,12 +122,16 @@ def exchange(to_left: torch.Tensor, to_right: torch.Tensor, group) -> tuple:
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     from_left, from_right = torch.zeros_like(to_right), torch.zeros_like(to_left)
     ops = []
-    for peer, send, receive in ((rank - 1, to_left, from_left),
-                                (rank + 1, to_right, from_right)):  # fmt: skip
+    for peer, send, receive in (
+        (rank - 1, to_left, from_left),
+        (rank + 1, to_right, from_right),
+    ):
         if 0 <= peer < size:
             peer = dist.get_global_rank(group, peer)
-            ops += [dist.P2POp(dist.isend, send, peer, group),
-                    dist.P2POp(dist.irecv, receive, peer, group)]  # fmt: skip
+            ops += [
+                dist.P2POp(dist.isend, send, peer, group),
+                dist.P2POp(dist.irecv, receive, peer, group),
+            ]
     for work in dist.batch_isend_irecv(ops) if ops else []:
         work.wait()
     return from_left, from_right
@@ -175,8 +179,15 @@ class ShardedConv2d(nn.Conv2d):
         if halo and self.mode == "replicate":  # all-gather it, convolve, keep mine
             whole = x.redistribute(placements=[Replicate()]).to_local()
             weight, bias = self.weight.to_local(), self.bias.to_local()
-            out = F.conv2d(whole, weight, bias, self.stride, self.padding,
-                           self.dilation, self.groups)  # fmt: skip
+            out = F.conv2d(
+                whole,
+                weight,
+                bias,
+                self.stride,
+                self.padding,
+                self.dilation,
+                self.groups,
+            )
             out = DTensor.from_local(out, mesh, [Replicate()], run_check=False)
             return out.redistribute(placements=x.placements)
         if x.placements != (Shard(3),) or self.dilation != (1, 1):
@@ -190,8 +201,9 @@ class ShardedConv2d(nn.Conv2d):
         # the sum over ranks, which is what a Partial() placement says.
         weight = self.weight.to_local(grad_placements=[Partial()])
         bias = self.bias.to_local(grad_placements=[Partial()])
-        out = F.conv2d(local, weight, bias, self.stride, (self.padding[0], 0),
-                       groups=self.groups)  # fmt: skip
+        out = F.conv2d(
+            local, weight, bias, self.stride, (self.padding[0], 0), groups=self.groups
+        )
         return DTensor.from_local(out, mesh, x.placements, run_check=False)
 
 
@@ -256,10 +268,18 @@ class ConvNeXt(nn.Module):
         return self.head(x.mean([-2, -1]))
 
 
-SMALL = {"depths": [1, 1, 1], "dims": [16, 32, 64], "input": [2, 3, 32, 256],
-         "classes": 10}  # fmt: skip
-FULL = {"depths": [3, 3, 27, 3], "dims": [256, 512, 1024, 2048],
-        "input": [7, 3, 512, 1024], "classes": 1000}  # fmt: skip
+SMALL = {
+    "depths": [1, 1, 1],
+    "dims": [16, 32, 64],
+    "input": [2, 3, 32, 256],
+    "classes": 10,
+}
+FULL = {
+    "depths": [3, 3, 27, 3],
+    "dims": [256, 512, 1024, 2048],
+    "input": [7, 3, 512, 1024],
+    "classes": 1000,
+}
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
@@ -295,8 +315,10 @@ def shard_batch(x: torch.Tensor, y: torch.Tensor, mesh, shard_dim: int) -> tuple
     """The images split along ``shard_dim``; the labels whole, or split with a
     split batch."""
     label_placement = Shard(0) if shard_dim == 0 else Replicate()
-    return (distribute_tensor(x, mesh, [Shard(shard_dim)]),
-            distribute_tensor(y, mesh, [label_placement]))  # fmt: skip
+    return (
+        distribute_tensor(x, mesh, [Shard(shard_dim)]),
+        distribute_tensor(y, mesh, [label_placement]),
+    )
 
 
 # ---- train
@@ -355,13 +377,16 @@ def main() -> None:
     mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("sp",))
     ShardedConv2d.mode = args.conv_mode
     model = replicate_parameters(build_model(args.config, args.dtype, device), mesh)
-    x, y = shard_batch(*example_batch(args.config, args.dtype, device), mesh,
-                       args.shard_dim)  # fmt: skip
+    x, y = shard_batch(
+        *example_batch(args.config, args.dtype, device), mesh, args.shard_dim
+    )
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     if rank == 0:
         held = list(x.to_local().shape)
-        print(f"input {args.config['input']} as Shard({args.shard_dim}) on "
-              f"{world_size} processes, each holding {held}")  # fmt: skip
+        print(
+            f"input {args.config['input']} as Shard({args.shard_dim}) on "
+            f"{world_size} processes, each holding {held}"
+        )
     losses = []
     for step in range(args.steps):
         losses.append(train_step(model, optimizer, x, y))

@@ -96,8 +96,8 @@ def setup_distributed(timeout_s: float = 600) -> tuple[int, int, int, torch.devi
 
 def where_it_ran(device: torch.device) -> dict:
     """The device, backend, processes and threads a result was measured with."""
-    return {"device": device.type, "backend": dist.get_backend(),
-            "world_size": dist.get_world_size(), "threads": torch.get_num_threads()}  # fmt: skip
+    run = {"device": device.type, "world_size": dist.get_world_size()}
+    return {**run, "backend": dist.get_backend(), "threads": torch.get_num_threads()}
 
 
 # ---- end of set-up
@@ -234,8 +234,10 @@ def train(args: argparse.Namespace) -> None:
     found = [0] * world_size
     dist.all_gather_object(found, step)  # a folder each node sees alike, or stop
     if len(set(found)) > 1:
-        fail(f"the ranks resume from different steps {found}: put --checkpoint-dir "
-             "on a file system that every node sees")  # fmt: skip
+        fail(
+            f"the ranks resume from different steps {found}: put --checkpoint-dir "
+            "on a file system that every node sees"
+        )
     if state:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])

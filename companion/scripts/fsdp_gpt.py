@@ -109,8 +109,8 @@ def setup_distributed(timeout_s: float = 600) -> tuple[int, int, int, torch.devi
 
 def where_it_ran(device: torch.device) -> dict:
     """The device, backend, processes and threads a result was measured with."""
-    return {"device": device.type, "backend": dist.get_backend(),
-            "world_size": dist.get_world_size(), "threads": torch.get_num_threads()}  # fmt: skip
+    run = {"device": device.type, "world_size": dist.get_world_size()}
+    return {**run, "backend": dist.get_backend(), "threads": torch.get_num_threads()}
 
 
 # ---- end of set-up
@@ -271,8 +271,12 @@ def shard_model(model: GPT, mesh, reshard_after_forward=True, root=None, mixed=N
     """
     policy = MIXED[mixed] if mixed else MixedPrecisionPolicy()  # default: none
     for block in model.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy,
-                    reshard_after_forward=reshard_after_forward)  # fmt: skip
+        fully_shard(
+            block,
+            mesh=mesh,
+            mp_policy=policy,
+            reshard_after_forward=reshard_after_forward,
+        )
     return fully_shard(model, mesh=mesh, reshard_after_forward=root, mp_policy=policy)
 
 
@@ -296,8 +300,10 @@ def train_step(
     adds up whole, unsharded gradients and reduce-scatters them once.
     """
     optimizer.zero_grad(set_to_none=True)
-    parts = zip(local_slice(x).tensor_split(microbatches),
-                local_slice(y).tensor_split(microbatches))  # fmt: skip
+    parts = zip(
+        local_slice(x).tensor_split(microbatches),
+        local_slice(y).tensor_split(microbatches),
+    )
     losses = []
     for i, (xs, ys) in enumerate(parts):
         last = i == microbatches - 1

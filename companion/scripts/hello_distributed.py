@@ -70,8 +70,8 @@ def setup_distributed(timeout_s: float = 600) -> tuple[int, int, int, torch.devi
 
 def where_it_ran(device: torch.device) -> dict:
     """The device, backend, processes and threads a result was measured with."""
-    return {"device": device.type, "backend": dist.get_backend(),
-            "world_size": dist.get_world_size(), "threads": torch.get_num_threads()}  # fmt: skip
+    run = {"device": device.type, "world_size": dist.get_world_size()}
+    return {**run, "backend": dist.get_backend(), "threads": torch.get_num_threads()}
 
 
 # ---- end of set-up

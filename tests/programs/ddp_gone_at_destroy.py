@@ -1,6 +1,6 @@
 """Run a script, and fail it if a DDP model is still alive when it destroys its group.
 
-    torchrun --nproc-per-node=2 tests/scripts/ddp_gone_at_destroy.py SCRIPT [ARGS ...]
+    torchrun --nproc-per-node=2 tests/programs/ddp_gone_at_destroy.py SCRIPT [ARGS ...]
 
 DDP's reducer holds the process group, and sits in a reference cycle. When the
 reducer is the group's last holder, the group is destroyed with it, in C++,
@@ -27,8 +27,12 @@ destroy = dist.destroy_process_group
 def checked_destroy(*args, **kwargs):
     alive = sum(isinstance(o, DistributedDataParallel) for o in gc.get_objects())
     if alive:
-        print(f"ddp_gone_at_destroy: {alive} DDP model(s) alive at "
-              "destroy_process_group()", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"ddp_gone_at_destroy: {alive} DDP model(s) alive at "
+            "destroy_process_group()",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(3)
     return destroy(*args, **kwargs)
 

@@ -1,4 +1,4 @@
-"""companion.checking: what the check programs share."""
+"""companion.checks._shared: what the check programs share."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from gpt_scripts import one_process_group
 
-from companion.checking import DeviceClock, clock, every_rank, finish, tolerance
+from companion.checks._shared import DeviceClock, clock, every_rank, finish, tolerance
 
 
 def test_tolerances_follow_the_dtype_unless_given() -> None:
@@ -84,7 +84,7 @@ def test_a_missed_check_exits_with_code_3_and_one_sentence(
 
 
 def test_first_miss_names_the_first_comparison_that_missed():
-    from companion.checking import first_miss
+    from companion.checks._shared import first_miss
 
     assert first_miss({"bytes": True, "work": True}) == ""
     assert first_miss({"bytes": True, "work": False, "loss": False}).startswith(

@@ -1,4 +1,4 @@
-"""Cause distributed failures on purpose, and read what the tools printed.
+"""Diagnose distributed failures: run the ranks, and read what the tools printed.
 
 Chapter 15 runs ``companion/scripts/failures.py`` with one bug at a time and
 shows what each tool prints. The functions here start the processes (one

@@ -1,4 +1,4 @@
-"""Unit tests of companion/failures.py: the launchers, and the parsers that turn
+"""Unit tests of companion/diagnosis.py: the launchers, and the parsers that turn
 what PyTorch's tools printed into a diagnosis.
 
 The parsers are fed the lines that torch 2.10 and 2.14.1 printed on this
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from companion.failures import (
+from companion.diagnosis import (
     Collective,
     Mismatch,
     ask_worker,

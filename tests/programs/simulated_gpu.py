@@ -1,7 +1,7 @@
 """Run a script as if its node had GPUs, on a machine without one.
 
-    python tests/scripts/simulated_gpu.py SCRIPT [ARGS ...]
-    torchrun --nproc-per-node=2 tests/scripts/simulated_gpu.py SCRIPT [ARGS ...]
+    python tests/programs/simulated_gpu.py SCRIPT [ARGS ...]
+    torchrun --nproc-per-node=2 tests/programs/simulated_gpu.py SCRIPT [ARGS ...]
     SIMULATED_GPUS=4 CUDA_VISIBLE_DEVICES=1,3 torchrun --nproc-per-node=2 ...
 
 The node has ``SIMULATED_GPUS`` GPUs (default: ``LOCAL_WORLD_SIZE``, else 1),
