@@ -3,6 +3,7 @@
 The two-process runs happen inside a real Jupyter kernel, as in a notebook.
 """
 
+import ast
 import multiprocessing
 import socket
 import subprocess
@@ -278,10 +279,14 @@ def test_from_a_notebook_kernel(kernel, tmp_path):
     """,
     )
     assert "2 process(es) on cpu: sum = 3" in out  # streamed into the cell
-    assert (
-        "RESULT {'device': 'cpu', 'backend': 'gloo', 'world_size': 2, 'threads': 1, 'sum': 3.0}"
-        in out
-    )
+    result = next(line for line in out.splitlines() if line.startswith("RESULT "))
+    assert ast.literal_eval(result.removeprefix("RESULT ")) == {
+        "device": "cpu",
+        "backend": "gloo",
+        "world_size": 2,
+        "threads": 1,
+        "sum": 3.0,
+    }
 
     start = time.monotonic()
     out = run_in_kernel(

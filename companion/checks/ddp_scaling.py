@@ -137,7 +137,7 @@ def main() -> None:
         results["ddp_buckets"] = buckets
         Path(args.results).write_text(json.dumps(results, indent=1))
     del ddp_model
-    gc.collect()  # DDP's reducer (a reference cycle) goes before its group: a hang else
+    gc.collect()  # no DDP reducer may outlive the group: it can hang destroying it
     dist.destroy_process_group()
 
 

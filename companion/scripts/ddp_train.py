@@ -317,7 +317,7 @@ def train(args: argparse.Namespace) -> None:
         if args.results:
             Path(args.results).write_text(json.dumps(results, indent=1))
     del ddp
-    gc.collect()  # DDP's reducer (a reference cycle) goes before its group: a hang else
+    gc.collect()  # no DDP reducer may outlive the group: it can hang destroying it
     dist.destroy_process_group()
 
 

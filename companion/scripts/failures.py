@@ -555,7 +555,7 @@ def main(argv: list[str] | None = None) -> None:
             server.shutdown()
     if rank == 0 and args.results:
         Path(args.results).write_text(json.dumps(results, indent=1))
-    gc.collect()  # DDP's reducer (a reference cycle) goes before its group: a hang else
+    gc.collect()  # no DDP reducer may outlive the group: it can hang destroying it
     dist.destroy_process_group()
 
 

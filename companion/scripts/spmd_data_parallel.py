@@ -303,7 +303,7 @@ def main() -> None:
             with open(args.results, "w") as f:
                 json.dump({**where_it_ran(device), "losses": losses}, f)
     del model, optimizer
-    gc.collect()  # DDP's reducer (a reference cycle) goes before its group: a hang else
+    gc.collect()  # no DDP reducer may outlive the group: it can hang destroying it
     dist.destroy_process_group()
 
 

@@ -2,14 +2,14 @@
 
     torchrun --nproc-per-node=2 tests/programs/ddp_gone_at_destroy.py SCRIPT [ARGS ...]
 
-DDP's reducer holds the process group, and sits in a reference cycle. When the
-reducer is the group's last holder, the group is destroyed with it, in C++,
-with the GIL held; a gloo group's destructor then joins its worker thread,
-which may be freeing the last collective's tensors and waits for the GIL: the
-process hangs (torch 2.10: 3 of 12 two-process runs of ddp_train.py through
-fast_start, before the scripts dropped the model and collected first).
-Destroyed from Python, the group releases the GIL. So every script must drop
-its DDP model, and collect, before ``dist.destroy_process_group()``: this
+DDP's reducer holds the process group. When the reducer is the group's last
+holder, the group is destroyed with it, in C++, with the GIL held; a gloo
+group's destructor then joins its worker thread, which may be freeing the last
+collective's tensors and waits for the GIL: the process hangs (torch 2.10: 3
+of 12 two-process runs of ddp_train.py through fast_start, before the scripts
+dropped the model first). Destroyed from Python, the group releases the GIL.
+So every script drops every reference to its DDP model (and collects, for one
+left in a reference cycle) before ``dist.destroy_process_group()``: this
 wrapper checks that on every call, and exits with 3 and one line if not.
 """
 
