@@ -17,8 +17,9 @@ the chapters on memory and model parallelism:
 
 There is no dropout and no bias anywhere, so that every saved tensor and
 every parameter follows from a short formula, and runs are deterministic.
-The standalone scripts of chapters 12-13 carry a copy of this model (they
-import only torch); ``tests/gpt_scripts.py`` checks that their copies agree.
+The standalone GPT scripts of chapters 12-13 import this model, less the
+notebooks' options, from ``companion/scripts/gpt_model.py`` (they import only
+torch, the standard library and their siblings); ``tests/gpt_scripts.py`` checks that the two agree.
 ``plain_losses`` trains it in one process: the reference that the checks of
 those scripts (``companion/checks/``) compare every parallel layout with.
 """

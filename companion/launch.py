@@ -78,6 +78,14 @@ GLOO_PEERS = re.compile(
 )
 SCRIPTS = HERE / "scripts"
 CHECKS = HERE / "checks"
+SIBLINGS = ("distributed_setup", "gpt_model")  # modules the scripts import
+
+
+def script_paths() -> list[Path]:
+    """Every script of ``companion/scripts`` (its sibling modules left out)."""
+    return sorted(
+        p for p in SCRIPTS.glob("*.py") if p.stem not in {"__init__", *SIBLINGS}
+    )
 
 
 class LaunchError(RuntimeError):
@@ -97,7 +105,7 @@ def script_path(name: str) -> Path:
     if not path.is_file():
         available = ", ".join(
             sorted(
-                [p.name for p in SCRIPTS.glob("*.py") if p.name != "__init__.py"]
+                [p.name for p in script_paths()]
                 + [
                     f"checks/{p.name}"
                     for p in CHECKS.glob("*.py")

@@ -1,7 +1,7 @@
 """Helpers for the tests of chapters 12-13's GPT scripts and their checks.
 
-The scripts (fsdp_gpt.py, tensor_parallel_gpt.py, pipeline_gpt.py) carry a
-copy of the course's model so that each stands alone; their checks
+The scripts (fsdp_gpt.py, tensor_parallel_gpt.py, pipeline_gpt.py) import
+the course's model from their sibling gpt_model.py; their checks
 (companion/checks/) measure around the scripts' own functions. What the tests
 expect is computed here, independently of both.
 """
@@ -24,9 +24,14 @@ from launchers import SIMULATED_GPU
 from companion.gpt import GPT, CharText, GPTConfig, lm_loss
 from companion.launch import launch
 
+# The scripts train in float32 by default; their tests compare with one
+# process in float64, as the checks do.
+FLOAT64 = ["--dtype", "float64"]
+
 
 def check_model_copy(script: ModuleType) -> None:
-    """The script's copy of the model: the same parameters, logits and batches, bit for bit."""
+    """The scripts' model (gpt_model.py): the same parameters, logits and batches as
+    companion.gpt's, bit for bit."""
     text, copy_text = CharText(), script.CharText()
     assert copy_text.chars == text.chars and torch.equal(text.ids, copy_text.ids)
     for sizes in ({}, {"n_layer": 3, "n_head": 2, "n_embd": 24, "block_size": 32}):

@@ -10,13 +10,15 @@ from pathlib import Path
 
 import pytest
 
+from companion.launch import script_paths
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 import gpu_check  # noqa: E402
 
 
 def test_every_script_has_small_settings_for_the_gpu_run():
-    scripts = {p.name for p in gpu_check.SCRIPTS.glob("*.py")} - {"__init__.py"}
+    scripts = {p.name for p in script_paths()}
     assert scripts == set(gpu_check.SMOKE)
 
 

@@ -123,12 +123,12 @@ def whole_log(args: list[str], groups: int) -> dict:
 @pytest.mark.parametrize(
     "nproc, args",
     [
-        (2, ["--steps", "2", "--layers", "1", "--seq-len", "32"]),
+        (2, ["--steps", "2", "--n-layer", "1", "--seq-len", "32"]),
         pytest.param(4, ["--steps", "2", "--experts", "8"], marks=pytest.mark.slow),
         pytest.param(
             2,
             ["--steps", "2", "--capacity-factor", "0", "--normalize-gates"]
-            + ["--shared-experts", "1", "--layers", "1", "--seq-len", "32"],
+            + ["--shared-experts", "1", "--n-layer", "1", "--seq-len", "32"],
             marks=pytest.mark.slow,
             id="dropless",
         ),

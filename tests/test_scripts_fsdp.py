@@ -37,6 +37,7 @@ from pathlib import Path
 import pytest
 import torch
 from gpt_scripts import (
+    FLOAT64,
     check_model_copy,
     on_simulated_gpus,
     one_process_group,
@@ -48,7 +49,7 @@ from torch.distributed.tensor import init_device_mesh
 from companion.checks import fsdp_memory
 from companion.gpt import GPT, GPTConfig, saved_activation_bytes_formula
 from companion.launch import LaunchError, launch
-from companion.scripts import fsdp_gpt
+from companion.scripts import fsdp_gpt, pipeline_gpt, tensor_parallel_gpt
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -200,7 +201,10 @@ def assert_peaks_plausible(out: dict) -> None:
         ), (rank, peak, at_rest, activations)
 
 
-def test_the_scripts_model_is_companion_gpt() -> None:
+def test_the_gpt_scripts_share_one_model_the_course_model() -> None:
+    """fsdp_gpt, tensor_parallel_gpt and pipeline_gpt import gpt_model.py's GPT."""
+    scripts = (fsdp_gpt, tensor_parallel_gpt, pipeline_gpt)
+    assert len({(s.GPT, s.CharText, s.lm_loss, s.build_model) for s in scripts}) == 1
     check_model_copy(fsdp_gpt)
 
 
@@ -424,7 +428,10 @@ def test_one_two_and_four_processes_train_alike_with_either_resharding() -> None
     assert len({m["parameters"]["local"] for m in measured}) > 1
     assert measured[-1]["parameters"]["storage"] > measured[-1]["parameters"]["local"]
     off = launch(
-        NAME, ["--steps", "4", "--reshard-after-forward", "off"], nproc=2, timeout=120
+        NAME,
+        ["--steps", "4", "--reshard-after-forward", "off", *FLOAT64],
+        nproc=2,
+        timeout=120,
     )
     assert_losses_match(off, 0, 4)
 
@@ -434,7 +441,9 @@ def test_four_processes_save_and_two_resume_as_if_never_stopped(
     tmp_path, capsys
 ) -> None:
     ckpt = tmp_path / "ckpt"
-    saved = launch(NAME, ["--steps", "3", "--save", ckpt], nproc=4, timeout=150)
+    saved = launch(
+        NAME, ["--steps", "3", "--save", ckpt, *FLOAT64], nproc=4, timeout=150
+    )
     assert_losses_match(saved, 0, 3)
     assert sorted(p.name for p in ckpt.glob("*.distcp")) == [
         f"__{r}_0.distcp" for r in range(4)

@@ -116,10 +116,10 @@ def whole_losses(args: list[str]) -> list[float]:
     model = ra.CopyModel(
         parsed.vocab,
         parsed.seq_len,
-        parsed.width,
-        parsed.heads,
+        parsed.n_embd,
+        parsed.n_head,
         "local",
-        parsed.kv_heads,
+        parsed.n_kv_head,
     )
     return ra.train(model, parsed, 0, 1, torch.device("cpu"))
 
@@ -135,7 +135,16 @@ def whole_losses(args: list[str]) -> list[float]:
         ),
         pytest.param(
             2,
-            ["--steps", "3", "--method", "ulysses", "--heads", "4", "--kv-heads", "2"],
+            [
+                "--steps",
+                "3",
+                "--method",
+                "ulysses",
+                "--n-head",
+                "4",
+                "--n-kv-head",
+                "2",
+            ],
             marks=pytest.mark.slow,
             id="ulysses-gqa",
         ),

@@ -24,7 +24,7 @@ another process of its node. The topologies:
 72 launches, 39 minutes on a busy 2-core machine (load about 11): all in
 ``make test-slow``. ``make test`` runs the topology that hid a bug
 (``srun-gpu-per-task``: ``ddp_train.py`` told DDP ``cuda:LOCAL_RANK``) for
-``ddp_train.py`` in tests/test_scripts_ddp_train.py, and the set-up block's
+``ddp_train.py`` in tests/test_scripts_ddp_train.py, and the shared set-up's
 choice for each topology, in-process, in tests/test_scripts.py.
 """
 
@@ -42,7 +42,7 @@ import pytest
 import torch
 from launchers import SIMULATED_GPU, clean_environment, free_port
 
-from companion.launch import script_path
+from companion.launch import script_path, script_paths
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "companion" / "scripts"
@@ -63,7 +63,7 @@ TINY = {
     "ddp_resnet.py": ["--width", "2", "--epochs", "1", "--global-batch-size", "8"],
     "ddp_train.py": ["--steps", "3", "--samples", "96", "--log-every", "1"],
     "dtensor_basics.py": [],
-    "expert_parallel.py": ["--steps", "2", "--layers", "1", "--seq-len", "16"],
+    "expert_parallel.py": ["--steps", "2", "--n-layer", "1", "--seq-len", "16"],
     "failures.py": ["--epochs", "1", "--samples", "64"],
     "fsdp_gpt.py": ["--steps", "2", "--n-layer", "1"],
     "hello_distributed.py": [],
@@ -194,7 +194,7 @@ def test_every_script_runs_on_the_gpus_of_every_launch(
 
 
 def test_every_script_has_tiny_settings_here():
-    scripts = {p.name for p in SCRIPTS.glob("*.py") if p.name != "__init__.py"}
+    scripts = {p.name for p in script_paths()}
     assert set(TINY) == scripts, "give a new script its few steps in TINY"
 
 
@@ -222,7 +222,7 @@ DDP_CHECKS = {
 DDP_USERS = sorted(
     [
         p.name
-        for p in SCRIPTS.glob("*.py")
+        for p in script_paths()
         if "DistributedDataParallel(" in p.read_text()
         or "DistributedDataParallel as DDP" in p.read_text()
     ]

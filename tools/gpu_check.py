@@ -46,6 +46,8 @@ from pathlib import Path
 
 import torch
 
+from companion.launch import script_paths
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "companion" / "scripts"
 SIMULATED_GPU = ROOT / "tests" / "programs" / "simulated_gpu.py"
@@ -72,9 +74,7 @@ PROCESSES: dict[str, tuple[int, ...]] = {}
 def script_runs(gpus: int) -> list[tuple[str, int]]:
     """(script, processes) pairs: 1 process, and one per GPU."""
     runs = []
-    for path in sorted(SCRIPTS.glob("*.py")):
-        if path.name == "__init__.py":
-            continue
+    for path in script_paths():
         for nproc in PROCESSES.get(path.name, sorted({1, gpus})):
             runs.append((path.name, nproc))
     return runs

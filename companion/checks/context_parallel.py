@@ -260,7 +260,7 @@ def training(args: argparse.Namespace, rank: int, world_size: int, device) -> di
     def model(method: str) -> torch.nn.Module:
         torch.manual_seed(short.seed)
         return ra.CopyModel(
-            short.vocab, short.seq_len, short.width, short.heads, method
+            short.vocab, short.seq_len, short.n_embd, short.n_head, method
         )
 
     split = ra.train(model("ring").to(device, DTYPE), short, rank, world_size, device)
@@ -460,7 +460,7 @@ def run(args: argparse.Namespace, device) -> tuple[dict | None, str]:
 @record
 def main() -> None:
     args = parse_args()
-    _, _, _, device = ra.setup_distributed(args.timeout)
+    _, _, device = ra.setup_distributed(args.timeout)
     finish(*run(args, device), args.results)
 
 

@@ -153,7 +153,7 @@ def main() -> None:
     for mode in args.conv_mode:  # the script's checks of the launch, for each mode
         cs.parse_args(["--conv-mode", mode, "--shard-dim", str(args.shard_dim)])
     config = cs.SMALL
-    rank, _, world_size, device = cs.setup_distributed(args.timeout)
+    rank, world_size, device = cs.setup_distributed(args.timeout)
     mesh = cs.init_device_mesh(device.type, (world_size,), mesh_dim_names=("sp",))
     exact = cs.build_model(config, "float64", device)
     x64, y = cs.example_batch(config, "float64", device)

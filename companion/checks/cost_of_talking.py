@@ -91,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--max-bytes", type=float, default=2**24)  # largest message (16 MiB)
     add("--n-layer", type=int, default=4)  # transformer blocks
     add("--n-embd", type=int, default=256)  # width d
-    add("--batch-size", type=int, default=2)  # sequences per process
+    add("--micro-batch-size", type=int, default=2)  # sequences per process
     add("--seq-len", type=int, default=64)  # tokens per sequence
     add("--caps", type=float, nargs="+", default=[0.05, 1.0, 4.0])  # MiB
     add("--rounds", type=int, default=11)  # timed rounds (after one warm-up)
@@ -123,7 +123,7 @@ def build_model(n_layer: int, args: argparse.Namespace, device: torch.device) ->
 
 def batch(args: argparse.Namespace, rank: int, device: torch.device, step: int = 0):
     gen = torch.Generator().manual_seed(1000 * rank + step)  # each rank its own data
-    x = torch.randint(0, 64, (args.batch_size, args.seq_len + 1), generator=gen)
+    x = torch.randint(0, 64, (args.micro_batch_size, args.seq_len + 1), generator=gen)
     return x[:, :-1].to(device), x[:, 1:].to(device)
 
 
@@ -332,7 +332,8 @@ def ddp_part(args, rank: int, group, device) -> dict:
         "threads": torch.get_num_threads(),
         "world_size": n,
         "config": {
-            k: getattr(args, k) for k in ("n_layer", "n_embd", "batch_size", "seq_len")
+            k: getattr(args, k)
+            for k in ("n_layer", "n_embd", "micro_batch_size", "seq_len")
         },
         "caps": caps,
         "all_reduce": all_reduce,
@@ -425,7 +426,7 @@ def compiled_part(args, rank: int, group, device) -> dict:
 
 def main() -> None:
     args = parse_args()
-    rank, _, world_size, device = setup_distributed(args.timeout)
+    rank, world_size, device = setup_distributed(args.timeout)
     if world_size < 2 or max(args.groups) > world_size or min(args.groups) < 2:
         fail(f"launch at least 2 processes, and groups of 2 to {world_size} of them")
     bench = collective_bench.parse_args(

@@ -116,7 +116,7 @@ def main() -> None:
     )  # images; 0: time the training's global batch only
     ours, rest = extra.parse_known_args()
     args = ddp_resnet.parse_args(rest)
-    rank, _, world_size, device = ddp_resnet.setup_distributed(args.timeout)
+    rank, world_size, device = ddp_resnet.setup_distributed(args.timeout)
     if ours.also_global_batch_size % world_size:
         raise SystemExit(
             f"--also-global-batch-size {ours.also_global_batch_size} is not "

@@ -38,7 +38,7 @@ def change(source: db.DTensor, placements: list) -> dict:
 @record
 def main() -> None:
     args = db.parse_args()
-    rank, _, world_size, device = db.setup_distributed(args.timeout)
+    rank, world_size, device = db.setup_distributed(args.timeout)
     db.quiet_gloo_fallback()
     mesh = db.init_device_mesh(device.type, (world_size,), mesh_dim_names=("ranks",))
     full = db.example_matrix(args.rows, args.cols, device)

@@ -274,6 +274,7 @@ def training(args, rank: int, world_size: int, device) -> dict:
     """The script's GPT in float64: experts split over the ranks, whole on rank 0."""
     train_args = ep.parse_args(
         ["--steps", str(args.train_steps), "--experts", str(args.experts)]
+        + ["--batch-size", str(8 * world_size)]  # 8 sequences per process
     )
     split = ep.train(
         ep.build(train_args, rank, world_size).to(device, DTYPE),
@@ -505,7 +506,7 @@ def run(args: argparse.Namespace, device) -> tuple[dict | None, str]:
 @record
 def main() -> None:
     args = parse_args()
-    _, _, _, device = ep.setup_distributed(args.timeout)
+    _, _, device = ep.setup_distributed(args.timeout)
     finish(*run(args, device), args.results)
 
 

@@ -3,7 +3,8 @@
     launch("checks/fsdp_memory.py", ["--steps", "5", "--save", DIR], nproc=4)
     torchrun --standalone --nproc-per-node=2 companion/checks/fsdp_memory.py --steps 3
 
-It takes fsdp_gpt.py's flags (and ``--tolerance``), runs the script's own
+It takes fsdp_gpt.py's flags (and ``--tolerance``; ``--dtype`` is float64
+unless given, or the checkpoint's with ``--load``), runs the script's own
 functions, and measures:
 
 - the bytes each rank holds after the first step, from the local shards of
@@ -481,17 +482,21 @@ def main() -> None:
     own = argparse.ArgumentParser(add_help=False)
     own.add_argument("--tolerance", type=float, help="of the losses (default: 1e-10)")
     mine, rest = own.parse_known_args()
+    # float64 unless told (a resumed run keeps its checkpoint's): the losses are
+    # compared with one process's to 1e-10.
     args = fsdp_gpt.parse_args(rest)
+    if not args.meta:  # a --dtype of the user's, later in the list, still wins
+        args = fsdp_gpt.parse_args(["--dtype", "float64", *rest])
     saved = args.meta["settings"] if args.meta else {}
     changed = [k for k, v in saved.items() if getattr(args, k) != v]
     if changed:  # the plain run that the losses are compared with starts at step 0
         flag = "--" + changed[0].replace("_", "-")
         fsdp_gpt.fail(f"{flag} differs from the checkpoint's; leave it out.")
-    rank, _, world_size, device = fsdp_gpt.setup_distributed(args.timeout)
+    rank, world_size, device = fsdp_gpt.setup_distributed(args.timeout)
     wall = clock()
     config = fsdp_gpt.model_config(args)
     start = args.meta["step"] if args.meta else 0
-    batches = fsdp_gpt.global_batches(args, start, args.steps, device)
+    batches = fsdp_gpt.global_batches(args, device, start)
     mesh = init_device_mesh(device.type, (world_size,))
     print0(
         f"{world_size} process{'es' if world_size > 1 else ''} on {device.type}: "
@@ -566,7 +571,7 @@ def main() -> None:
     results, failure = None, ""
     if rank == 0:
         tic = clock()
-        all_batches = fsdp_gpt.global_batches(args, 0, start + args.steps, device)
+        all_batches = fsdp_gpt.global_batches(args, device, 0, start + args.steps)
         reference = plain_losses(
             GPTConfig(**asdict(config)),
             all_batches,

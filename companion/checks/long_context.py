@@ -34,7 +34,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     timeout = ["--timeout", str(args.timeout)]
-    _, _, _, device = context_parallel.ra.setup_distributed(args.timeout)
+    _, _, device = context_parallel.ra.setup_distributed(args.timeout)
     context, missed = context_parallel.run(context_parallel.parse_args(timeout), device)
     experts, missed_too = expert_parallel.run(
         expert_parallel.parse_args(timeout), device

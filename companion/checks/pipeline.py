@@ -6,7 +6,8 @@
 
 For each schedule of ``--schedules`` and each count of ``--microbatches`` it
 builds pipeline_gpt.py's stages and schedule and trains ``--steps`` steps with
-the script's own ``train_step`` (its other flags too), from the same initial
+the script's own ``train_step`` (its other flags too; ``--dtype`` float64
+unless given), from the same initial
 model on the same batches, and measures:
 
 - the timeline: when each stage starts and ends the forward and the backward
@@ -271,9 +272,9 @@ def main() -> None:
     # The script's own checks of every setting, before the processes meet.
     for s, m in settings:
         args = pipeline_gpt.parse_args(
-            [*rest, "--schedule", s, "--microbatches", str(m)]
+            ["--dtype", "float64", *rest, "--schedule", s, "--microbatches", str(m)]
         )
-    rank, _, p, device = pipeline_gpt.setup_distributed(args.timeout)
+    rank, p, device = pipeline_gpt.setup_distributed(args.timeout)
     wall = clock()
     config = pipeline_gpt.model_config(args)
     print0(

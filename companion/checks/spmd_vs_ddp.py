@@ -97,7 +97,7 @@ def parse_args() -> argparse.Namespace:
 @record
 def main() -> None:
     args = parse_args()
-    rank, _, world_size, device = sp.setup_distributed(args.timeout)
+    rank, world_size, device = sp.setup_distributed(args.timeout)
     mesh = sp.init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
     rows = []
     for batch_dim in (0, 1):

@@ -3,7 +3,8 @@
     launch("checks/tensor_parallel.py", [], nproc=2)             # hand, tp and sp
     launch("checks/tensor_parallel.py", ["--layout", "2d"], nproc=4)  # 2 x 2 mesh
 
-It takes tensor_parallel_gpt.py's flags and runs the script's own functions.
+It takes tensor_parallel_gpt.py's flags (``--dtype`` float64 unless given)
+and runs the script's own functions.
 ``--layout 1d`` (the default; 3 steps unless ``--steps`` says otherwise)
 splits the model three ways over all the processes, ``hand``, ``tp`` and
 ``sp``, and measures each:
@@ -639,11 +640,11 @@ def main() -> None:
     own.add_argument("--tolerance", type=float, help="of the losses (default: 1e-10)")
     mine, rest = own.parse_known_args()
     layout = "sp" if mine.layout == "1d" else "2d"  # sp: the strictest flags
-    steps = ["--steps", str(DEFAULT_STEPS[mine.layout])]
+    steps = ["--steps", str(DEFAULT_STEPS[mine.layout]), "--dtype", "float64"]
     args = tpg.parse_args([*steps, *rest, "--layout", layout])
     if mine.repeats < 1:
         tpg.fail(f"--repeats must be at least 1, not {mine.repeats}.")
-    rank, _, world_size, device = tpg.setup_distributed(args.timeout)
+    rank, world_size, device = tpg.setup_distributed(args.timeout)
     wall = clock()
     config = tpg.model_config(args)
     print0(

@@ -10,14 +10,14 @@
 Every block's MLP becomes a mixture of experts: a router scores n_experts
 MLPs for each token, the token goes to its top_k, and their outputs are
 summed, weighted by the router's probabilities. Each of the N processes holds
-n_experts / N experts and trains on its own batch (data parallel for the
-rest of the model; each expert has one copy, so its gradients need no
-all-reduce: with more processes than expert groups they would be summed over
-each expert's copies). Tokens travel to the process that holds their expert and
-back by two all-to-alls per layer (dispatch and combine), and two more in the
-backward pass. With a capacity factor, an expert takes at most
-ceil(capacity_factor x top_k x tokens / n_experts) tokens from each process
-(fixed buffers); the others are dropped (the residual connection carries them
+n_experts / N experts and trains on its 1/N of each global batch of
+--batch-size sequences (data parallel for the rest of the model; each expert
+has one copy, so its gradients need no all-reduce: with more processes than
+expert groups they would be summed over each expert's copies). Tokens travel
+to the process that holds their expert and back by two all-to-alls per layer
+(dispatch and combine), and two more in the backward pass. With a capacity
+factor, an expert takes at most ceil(capacity_factor x top_k x tokens /
+n_experts) tokens from each process (fixed buffers); the others are dropped (the residual connection carries them
 on). With --capacity-factor 0 the layer is dropless: every choice travels, in
 all-to-all slices as long as the routing makes them. --normalize-gates rescales
 each token's top-k probabilities to sum to 1; --shared-experts adds experts
@@ -29,16 +29,11 @@ Exit codes: 0 done; 1 crashed; 2 a bad launch or input, said in one sentence.
 """
 
 import argparse
-import atexit
 import codecs
 import contextlib
-import datetime
 import io
 import json
 import math
-import os
-import sys
-import time
 from dataclasses import dataclass
 
 import torch
@@ -47,62 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
-# ---- set-up: the same in every script of companion/scripts (a test checks it)
-
-
-def fail(message: str) -> None:
-    """Stop with one sentence on stderr and in torchrun's summary; exit code 2."""
-    if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))):
-        time.sleep(30)  # rank 0 says it, while torchrun or srun -K stops the others
-    print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr)
-    if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's summary
-        said = {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}
-        with open(error_file, "w") as f:  # as @record writes it, less the traceback
-            json.dump({"message": said}, f)
-    sys.exit(2)
-
-
-def setup_distributed(timeout_s: float = 600) -> tuple[int, int, int, torch.device]:
-    """Join the process group; return ``rank, local_rank, world_size, device``."""
-    if torch.__version__ < (2, 10):
-        fail(f"these scripts need PyTorch 2.10 or newer, not {torch.__version__}")
-    env = os.environ  # set by torchrun or srun; plain python is one process
-    rank = int(env.get("RANK", env.get("SLURM_PROCID", 0)))
-    local_rank = int(env.get("LOCAL_RANK", env.get("SLURM_LOCALID", 0)))
-    world_size = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", 1)))
-    per_node = int(env.get("LOCAL_WORLD_SIZE", env.get("SLURM_NTASKS_PER_NODE", 1)))
-    gpus = torch.cuda.device_count()  # a process takes GPU local_rank, except under
-    own = gpus == 1 and "RANK" not in env  # srun --gpus-per-task=1 (its own, as 0)
-    if not own and 0 < gpus < max(per_node, local_rank + 1):
-        fail(f"this node has {gpus} GPU(s) for {per_node} processes")
-    device = torch.device(f"cuda:{0 if own else local_rank}" if gpus else "cpu")
-    if gpus:
-        torch.cuda.set_device(device)
-    try:
-        dist.init_process_group(
-            dist.get_default_backend_for_device(device),
-            store=dist.HashStore() if world_size == 1 else None,  # alone: no port
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-            device_id=device if gpus else None,
-        )
-    except (dist.DistError, ValueError) as err:  # a busy port, a missing rank
-        fail(f"the processes did not meet: {str(err).strip().splitlines()[0]}")
-    # A gloo group still alive when python exits can abort it (SIGABRT, pytorch#179291);
-    # destroying an nccl group waits for every rank, so nccl's is left to the exit.
-    if dist.get_backend() == "gloo":
-        atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
-    return rank, local_rank, world_size, device
-
-
-def where_it_ran(device: torch.device) -> dict:
-    """The device, backend, processes and threads a result was measured with."""
-    run = {"device": device.type, "world_size": dist.get_world_size()}
-    return {**run, "backend": dist.get_backend(), "threads": torch.get_num_threads()}
-
-
-# ---- end of set-up
+from distributed_setup import fail, setup_distributed, where_it_ran
 
 
 @dataclass(frozen=True)
@@ -345,7 +285,7 @@ def train(model, args, rank: int, world_size: int, device, groups: int = 1) -> d
     dtype, parts = shared[0].dtype, groups * world_size
     log: dict[str, list] = {"loss": [], "aux_loss": [], "dropped": [], "load": []}
     for _ in range(args.steps):
-        x, y = batch(ids, args.batch_size * parts, args.seq_len, generator)
+        x, y = batch(ids, args.batch_size, args.seq_len, generator)
         loss, stats = 0, torch.zeros(3 + len(moes) * args.experts, dtype=dtype)
         stats = stats.to(device)  # loss, balance loss, dropped, load per expert
         mine = slice(rank * groups, (rank + 1) * groups)
@@ -390,11 +330,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--normalize-gates", action="store_true", help="top-k gates summing to 1")
     add("--shared-experts", type=int, default=0, help="experts every token uses")
     add("--aux-weight", type=float, default=0.01, help="of the load-balancing loss")
-    add("--layers", type=int, default=2, help="transformer blocks")
-    add("--width", type=int, default=64, help="model width d")
-    add("--heads", type=int, default=4, help="attention heads")
+    add("--n-layer", type=int, default=2, help="transformer blocks")
+    add("--n-embd", type=int, default=64, help="model width d")
+    add("--n-head", type=int, default=4, help="attention heads")
     add("--seq-len", type=int, default=64, help="characters per sequence")
-    add("--batch-size", type=int, default=8, help="sequences per process and step")
+    add("--batch-size", type=int, default=32, help="global batch: sequences per step")
     add("--steps", type=int, default=30, help="training steps")
     add("--lr", type=float, default=3e-3, help="Adam's learning rate")
     add("--seed", type=int, default=0, help="seed of the weights and the data")
@@ -408,9 +348,9 @@ def build(args: argparse.Namespace, rank: int, world_size: int) -> GPT:
     config = GPTConfig(
         vocab_size=zen_of_python()[1],
         block_size=args.seq_len,
-        n_layer=args.layers,
-        n_head=args.heads,
-        n_embd=args.width,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
         n_experts=args.experts,
         top_k=args.top_k,
         capacity_factor=args.capacity_factor,
@@ -424,11 +364,15 @@ def build(args: argparse.Namespace, rank: int, world_size: int) -> GPT:
 @record
 def main() -> None:
     args = parse_args()
-    rank, _, world_size, device = setup_distributed(args.timeout)
+    rank, world_size, device = setup_distributed(args.timeout)
     if args.experts < 1 or args.experts % world_size:
         fail(f"--experts {args.experts} must be a positive multiple of {world_size}")
-    if not 1 <= args.top_k <= args.experts or args.width % args.heads:
-        fail("--top-k must be 1 to --experts, and --width a multiple of --heads")
+    if args.batch_size % world_size:
+        fail(
+            f"--batch-size {args.batch_size} does not split over {world_size} processes"
+        )
+    if not 1 <= args.top_k <= args.experts or args.n_embd % args.n_head:
+        fail("--top-k must be 1 to --experts, and --n-embd a multiple of --n-head")
     model = build(args, rank, world_size).to(device)
     log = train(model, args, rank, world_size, device)
     if rank == 0:
@@ -438,7 +382,7 @@ def main() -> None:
             f"layer, {args.experts // world_size} on each, top-{args.top_k}, "
             + (f"capacity factor {factor}" if factor else "dropless")
         )
-        routed = args.batch_size * args.seq_len * world_size * args.top_k
+        routed = args.batch_size * args.seq_len * args.top_k
         for step in sorted({0, args.steps // 2, args.steps - 1}):
             busiest = max(max(layer) for layer in log["load"][step])
             print(

@@ -7,8 +7,8 @@
         --rdzv-endpoint=HOST:29500 --rdzv-id=fsdp fsdp_gpt.py --save ckpt  # each node
     srun --ntasks=4 --gpus-per-task=1 python fsdp_gpt.py --save ckpt    # SLURM
 
-Every rank builds the same GPT (the course's model, copied here so that the
-script stands alone) from the same seed, applies ``fully_shard`` to each block
+Every rank builds the same GPT (the course's model, from the sibling
+gpt_model.py) from the same seed, applies ``fully_shard`` to each block
 and then to the root (embeddings, final LayerNorm, head), and trains with Adam
 on its slice of the same global batches of the Zen of Python, read as
 characters (``--mixed-precision bf16``: gathered and computed in bfloat16,
@@ -27,25 +27,15 @@ Exit codes: 0 done; 1 crashed; 2 a bad launch or input, said in one sentence.
 """
 
 import argparse
-import atexit
-import codecs
-import contextlib
-import datetime
-import io
 import json
 import logging
-import math
 import os
 import shutil
-import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -58,172 +48,19 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import init_device_mesh
 
-# ---- set-up: the same in every script of companion/scripts (a test checks it)
-
-
-def fail(message: str) -> None:
-    """Stop with one sentence on stderr and in torchrun's summary; exit code 2."""
-    if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))):
-        time.sleep(30)  # rank 0 says it, while torchrun or srun -K stops the others
-    print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr)
-    if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's summary
-        said = {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}
-        with open(error_file, "w") as f:  # as @record writes it, less the traceback
-            json.dump({"message": said}, f)
-    sys.exit(2)
-
-
-def setup_distributed(timeout_s: float = 600) -> tuple[int, int, int, torch.device]:
-    """Join the process group; return ``rank, local_rank, world_size, device``."""
-    if torch.__version__ < (2, 10):
-        fail(f"these scripts need PyTorch 2.10 or newer, not {torch.__version__}")
-    env = os.environ  # set by torchrun or srun; plain python is one process
-    rank = int(env.get("RANK", env.get("SLURM_PROCID", 0)))
-    local_rank = int(env.get("LOCAL_RANK", env.get("SLURM_LOCALID", 0)))
-    world_size = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", 1)))
-    per_node = int(env.get("LOCAL_WORLD_SIZE", env.get("SLURM_NTASKS_PER_NODE", 1)))
-    gpus = torch.cuda.device_count()  # a process takes GPU local_rank, except under
-    own = gpus == 1 and "RANK" not in env  # srun --gpus-per-task=1 (its own, as 0)
-    if not own and 0 < gpus < max(per_node, local_rank + 1):
-        fail(f"this node has {gpus} GPU(s) for {per_node} processes")
-    device = torch.device(f"cuda:{0 if own else local_rank}" if gpus else "cpu")
-    if gpus:
-        torch.cuda.set_device(device)
-    try:
-        dist.init_process_group(
-            dist.get_default_backend_for_device(device),
-            store=dist.HashStore() if world_size == 1 else None,  # alone: no port
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-            device_id=device if gpus else None,
-        )
-    except (dist.DistError, ValueError) as err:  # a busy port, a missing rank
-        fail(f"the processes did not meet: {str(err).strip().splitlines()[0]}")
-    # A gloo group still alive when python exits can abort it (SIGABRT, pytorch#179291);
-    # destroying an nccl group waits for every rank, so nccl's is left to the exit.
-    if dist.get_backend() == "gloo":
-        atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
-    return rank, local_rank, world_size, device
-
-
-def where_it_ran(device: torch.device) -> dict:
-    """The device, backend, processes and threads a result was measured with."""
-    run = {"device": device.type, "world_size": dist.get_world_size()}
-    return {**run, "backend": dist.get_backend(), "threads": torch.get_num_threads()}
-
-
-# ---- end of set-up
-
-# ---- the model: the course's GPT (companion/gpt.py), copied to stand alone
-
-
-@dataclass(frozen=True)
-class GPTConfig:
-    vocab_size: int = 64
-    block_size: int = 64  # the longest sequence the position embedding covers
-    n_layer: int = 2
-    n_head: int = 4
-    n_embd: int = 64
-
-
-class CausalSelfAttention(nn.Module):
-    """Multi-head self-attention in which position t sees positions <= t."""
-
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        d = config.n_embd
-        self.head_dim = d // config.n_head
-        self.q, self.k, self.v, self.proj = (
-            nn.Linear(d, d, bias=False) for _ in range(4)
-        )
-        future = torch.ones(config.block_size, config.block_size, dtype=torch.bool)
-        self.register_buffer("future", future.triu(1), persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape  # -1 heads below: a tensor-parallel rank holds some
-        q, k, v = (
-            p(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-            for p in (self.q, self.k, self.v)
-        )
-        scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
-        scores = scores.masked_fill(self.future[:T, :T], float("-inf"))
-        y = scores.softmax(dim=-1) @ v
-        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
-        self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))
-
-
-class Block(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, bias=False)
-        self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd, bias=False)
-        self.mlp = MLP(config)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
-
-
-class GPT(nn.Module):
-    """Token ids (B, T) in, logits (B, T, vocab) out."""
-
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
-        self.pos_emb = nn.Embedding(config.block_size, config.n_embd)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.ln_f = nn.LayerNorm(config.n_embd, bias=False)
-        self.head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        for m in self.modules():  # GPT-2's initialisation
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, mean=0.0, std=0.02)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(idx.shape[1], device=idx.device)
-        x = self.tok_emb(idx) + self.pos_emb(positions)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of the next-token predictions."""
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-class CharText:
-    """The Zen of Python as character ids, cut into (input, target) batches."""
-
-    def __init__(self) -> None:
-        with contextlib.redirect_stdout(io.StringIO()):  # importing it prints it
-            import this
-        text = codecs.decode(this.s, "rot13")
-        self.chars = sorted(set(text))
-        self.ids = torch.tensor([self.chars.index(c) for c in text])
-
-    def batch(self, batch_size: int, seq_len: int, generator: torch.Generator):
-        """``batch_size`` random windows of ``seq_len`` ids, and the next ids."""
-        starts = torch.randint(
-            len(self.ids) - seq_len, (batch_size,), generator=generator
-        )
-        windows = torch.stack([self.ids[s : s + seq_len + 1] for s in starts.tolist()])
-        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
-
+from distributed_setup import fail, launched, setup_distributed, where_it_ran
+from gpt_model import (
+    DTYPES,
+    GPT,
+    CharText,
+    GPTConfig,
+    build_model,
+    global_batches,
+    lm_loss,
+)
 
 # ---- settings and data
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
 # FSDP2's mixed precision: gather and compute in param_dtype, reduce-scatter the
 # gradients in reduce_dtype; the sharded parameters keep the model's dtype.
 MIXED = {"bf16": MixedPrecisionPolicy(torch.bfloat16, reduce_dtype=torch.float32)}
@@ -234,22 +71,6 @@ SETTINGS = (*MODEL, "dtype", "batch_size", "seq_len", "lr", "seed")  # in meta.j
 def model_config(args: argparse.Namespace) -> GPTConfig:
     """The model's sizes: the flags', and the text's vocabulary."""
     return GPTConfig(len(CharText().chars), **{k: getattr(args, k) for k in MODEL})
-
-
-def build_model(config: GPTConfig, seed: int, dtype: str, device) -> GPT:
-    """The same GPT on every rank: initialised in float32 from ``seed``, then cast."""
-    torch.manual_seed(seed)
-    return GPT(config).to(device=device, dtype=DTYPES[dtype])
-
-
-def global_batches(args: argparse.Namespace, start: int, count: int, device) -> list:
-    """The global batches of steps ``start`` to ``start + count - 1``, the same on
-    every rank and in every run (a resumed run draws the steps it skips)."""
-    text, g = CharText(), torch.Generator().manual_seed(args.seed)
-    batches = [
-        text.batch(args.batch_size, args.seq_len, g) for _ in range(start + count)
-    ]
-    return [(x.to(device), y.to(device)) for x, y in batches[start:]]
 
 
 def local_slice(t: torch.Tensor) -> torch.Tensor:
@@ -401,7 +222,10 @@ def load_checkpoint(model: nn.Module, optimizer, folder: Path) -> None:
     # get_state_dict gives Adam, which has no state before its first step, a step
     # with zero gradients and lr 0, so that there is state to load into.
     state = sharded_state(model, optimizer)
-    logging.getLogger().disabled = True  # DCP logs a failed read, with a traceback
+    # DCP logs a failed read on the root logger itself, with a traceback from
+    # torch 2.14 on (torch/distributed/checkpoint/state_dict_loader.py): off for
+    # this call only.
+    logging.getLogger().disabled = True
     try:
         dcp.load(state, checkpoint_id=folder)
     except (dcp.CheckpointException, OSError, RuntimeError, ValueError) as err:
@@ -438,7 +262,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--seq-len", type=int, default=64, help="characters per sequence (default: 64)")
     add("--lr", type=float, default=3e-3, help="Adam's learning rate (default: 3e-3)")
     add("--seed", type=int, default=0, help="of the model and batches (default: 0)")
-    add("--dtype", choices=DTYPES, default="float64", help="(default: float64)")
+    add("--dtype", choices=DTYPES, default="float32", help="(default: float32)")
     add("--n-layer", type=int, default=2, help="transformer blocks (default: 2)")
     add("--n-head", type=int, default=4, help="attention heads (default: 4)")
     add("--n-embd", type=int, default=64, help="width, in features (default: 64)")
@@ -482,7 +306,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if given != saved:
             flag = "--" + key.replace("_", "-")
             fail(f"{flag} {given} differs from the checkpoint's {saved}; leave it out.")
-    world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+    world_size = launched().world_size
     if args.n_embd % args.n_head:
         fail(f"--n-embd {args.n_embd} is not a multiple of --n-head {args.n_head}.")
     if args.batch_size % world_size:  # else the mean of the ranks' losses is wrong
@@ -507,7 +331,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 @record
 def main() -> None:
     args = parse_args()
-    rank, _, world_size, device = setup_distributed(args.timeout)
+    rank, world_size, device = setup_distributed(args.timeout)
     model = build_model(model_config(args), args.seed, args.dtype, device)
     mesh = init_device_mesh(device.type, (world_size,))
     on = args.reshard_after_forward == "on"
@@ -517,7 +341,7 @@ def main() -> None:
     if args.load:
         load_checkpoint(model, optimizer, args.load.resolve())
     losses = []
-    batches = global_batches(args, start, args.steps, device)
+    batches = global_batches(args, device, start)
     for step, (x, y) in enumerate(batches, start):
         loss = train_step(model, optimizer, x, y, args.microbatches, args.sync)
         losses.append(mean_over_ranks(loss))

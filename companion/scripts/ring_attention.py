@@ -22,7 +22,7 @@ methods bring them (--method):
   heads, and a second all-to-all trades back. Needs heads (and key-value
   heads) divisible by N.
 
-Keys and values may have fewer heads than queries (--kv-heads: grouped-query
+Keys and values may have fewer heads than queries (--n-kv-head: grouped-query
 attention); only those travel. With a causal mask, the "plain" split (process
 r holds the r-th N-th of the sequence) gives the last process the most work;
 the "zigzag" split (chunks r and 2N - 1 - r of 2N) balances it. The script
@@ -33,13 +33,8 @@ Exit codes: 0 done; 1 crashed; 2 a bad launch or input, said in one sentence.
 """
 
 import argparse
-import atexit
-import datetime
 import json
 import math
-import os
-import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -47,62 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
-# ---- set-up: the same in every script of companion/scripts (a test checks it)
-
-
-def fail(message: str) -> None:
-    """Stop with one sentence on stderr and in torchrun's summary; exit code 2."""
-    if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))):
-        time.sleep(30)  # rank 0 says it, while torchrun or srun -K stops the others
-    print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr)
-    if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's summary
-        said = {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}
-        with open(error_file, "w") as f:  # as @record writes it, less the traceback
-            json.dump({"message": said}, f)
-    sys.exit(2)
-
-
-def setup_distributed(timeout_s: float = 600) -> tuple[int, int, int, torch.device]:
-    """Join the process group; return ``rank, local_rank, world_size, device``."""
-    if torch.__version__ < (2, 10):
-        fail(f"these scripts need PyTorch 2.10 or newer, not {torch.__version__}")
-    env = os.environ  # set by torchrun or srun; plain python is one process
-    rank = int(env.get("RANK", env.get("SLURM_PROCID", 0)))
-    local_rank = int(env.get("LOCAL_RANK", env.get("SLURM_LOCALID", 0)))
-    world_size = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", 1)))
-    per_node = int(env.get("LOCAL_WORLD_SIZE", env.get("SLURM_NTASKS_PER_NODE", 1)))
-    gpus = torch.cuda.device_count()  # a process takes GPU local_rank, except under
-    own = gpus == 1 and "RANK" not in env  # srun --gpus-per-task=1 (its own, as 0)
-    if not own and 0 < gpus < max(per_node, local_rank + 1):
-        fail(f"this node has {gpus} GPU(s) for {per_node} processes")
-    device = torch.device(f"cuda:{0 if own else local_rank}" if gpus else "cpu")
-    if gpus:
-        torch.cuda.set_device(device)
-    try:
-        dist.init_process_group(
-            dist.get_default_backend_for_device(device),
-            store=dist.HashStore() if world_size == 1 else None,  # alone: no port
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-            device_id=device if gpus else None,
-        )
-    except (dist.DistError, ValueError) as err:  # a busy port, a missing rank
-        fail(f"the processes did not meet: {str(err).strip().splitlines()[0]}")
-    # A gloo group still alive when python exits can abort it (SIGABRT, pytorch#179291);
-    # destroying an nccl group waits for every rank, so nccl's is left to the exit.
-    if dist.get_backend() == "gloo":
-        atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
-    return rank, local_rank, world_size, device
-
-
-def where_it_ran(device: torch.device) -> dict:
-    """The device, backend, processes and threads a result was measured with."""
-    run = {"device": device.type, "world_size": dist.get_world_size()}
-    return {**run, "backend": dist.get_backend(), "threads": torch.get_num_threads()}
-
-
-# ---- end of set-up
+from distributed_setup import fail, setup_distributed, where_it_ran
 
 
 def chunks_of(rank: int, world_size: int, split: str) -> list[int]:
@@ -511,9 +451,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--seq-len", type=int, default=32, help="positions per sequence (tokens)")
     add("--batch-size", type=int, default=32, help="sequences per step")
     add("--vocab", type=int, default=8, help="distinct tokens")
-    add("--width", type=int, default=32, help="model width d")
-    add("--heads", type=int, default=2, help="attention heads")
-    add("--kv-heads", type=int, default=0, help="key-value heads (0: --heads)")
+    add("--n-embd", type=int, default=32, help="model width d")
+    add("--n-head", type=int, default=2, help="attention heads")
+    add("--n-kv-head", type=int, default=0, help="key-value heads (0: --n-head)")
     add("--steps", type=int, default=40, help="training steps")
     add("--lr", type=float, default=0.03, help="Adam's learning rate")
     add("--seed", type=int, default=0, help="seed of the weights and the data")
@@ -525,18 +465,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 @record
 def main() -> None:
     args = parse_args()
-    rank, _, world_size, device = setup_distributed(args.timeout)
+    rank, world_size, device = setup_distributed(args.timeout)
     chunks = world_size * (1 if args.split == "plain" else 2)
     if args.seq_len % chunks or args.seq_len % 2:
         fail(f"--seq-len {args.seq_len} must be even and a multiple of {chunks}")
-    kv_heads = args.kv_heads or args.heads
-    if args.width % args.heads or args.heads % kv_heads:
-        fail("--width must be a multiple of --heads, and --heads of --kv-heads")
+    kv_heads = args.n_kv_head or args.n_head
+    if args.n_embd % args.n_head or args.n_head % kv_heads:
+        fail("--n-embd must be a multiple of --n-head, and --n-head of --n-kv-head")
     if args.method == "ulysses" and kv_heads % world_size:
-        fail(f"--method ulysses needs --heads and --kv-heads divisible by {world_size}")
+        fail(
+            f"--method ulysses needs --n-head and --n-kv-head divisible by {world_size}"
+        )
     torch.manual_seed(args.seed)
     model = CopyModel(
-        args.vocab, args.seq_len, args.width, args.heads, args.method, kv_heads
+        args.vocab, args.seq_len, args.n_embd, args.n_head, args.method, kv_heads
     )
     losses = train(model.to(device), args, rank, world_size, device)
     if rank == 0:

@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from companion.multidevice import get_params, init_lenet_params, train_batch
 from companion.scripts.hello_distributed import setup_distributed
 
-_, local_rank, _, device = setup_distributed(30)
+_, _, device = setup_distributed(30)
 
 
 def model_and_batch(move_model: bool = True, move_batch: bool = True):
