@@ -121,7 +121,7 @@ clean:
 # Mutation testing: mutmut changes companion/ one small edit at a time (not
 # the scripts, not launch.py) and runs the fast unit tests that cover it; see
 # [tool.mutmut] in pyproject.toml. Not part of `make test`: it takes about an
-# hour and a half on 2 cores. Limit it with MUTANTS='companion.timing.* companion.data.*'.
+# hour and a half on 2 cores. Limit it with MUTANTS='companion.harness.timing.* companion.data.*'.
 # Results stay in mutants/ (`.venv/bin/mutmut results`, `mutmut show NAME`).
 MUTANTS ?=
 .PHONY: mutation

@@ -21,7 +21,6 @@ import sys
 
 import torch
 
-from companion.devices import try_gpu
 from companion.ensemble import (
     SGD,
     Adam,
@@ -29,6 +28,7 @@ from companion.ensemble import (
     format_speed_table,
     speed_verdicts,
 )
+from companion.harness.devices import try_gpu
 
 
 def parse_args() -> argparse.Namespace:

@@ -39,11 +39,16 @@ from companion.comm_costs import (
     measured_contention,
     overlap_schedule,
 )
-from companion.devices import num_gpus, try_gpu
-from companion.hardware import UNKNOWN, bf16_matmul_support, cache_bytes
-from companion.launch import gpus_for, launch
+from companion.harness.devices import num_gpus, try_gpu
+from companion.harness.hardware import UNKNOWN, bf16_matmul_support, cache_bytes
+from companion.harness.launch import gpus_for, launch
+from companion.harness.timing import (
+    format_ratio,
+    format_table,
+    format_time,
+    paired_difference,
+)
 from companion.roofline import measure_roofline
-from companion.timing import format_ratio, format_table, format_time, paired_difference
 
 
 def parse_args() -> argparse.Namespace:

@@ -1,7 +1,12 @@
 """Companion package of the course "PyTorch computational performance and parallel training".
 
-Notebooks import their helpers from here; chapter-specific helpers live in
-their own modules (``companion.<module>``). Nothing runs at import time, and
+Notebooks import their helpers from here. The package has two kinds of
+module: the helpers chapters teach with, a module per topic
+(``companion.memory``, ``companion.gpt``, ``companion.comm_costs``, ...), and
+the course's harness in ``companion.harness`` (timing, verdicts, launching,
+devices, notebook set-up, plots, profiles). ``companion/scripts`` holds the
+standalone scripts a reader copies, ``companion/checks`` the course's
+measurements around them. Nothing runs at import time, and
 each name is imported from its module only when first used (PEP 562), so
 that a process that needs one helper does not pay for matplotlib and the
 rest: the course's checks start several processes at a time.
@@ -10,13 +15,6 @@ rest: the course's checks start several processes at a time.
 from __future__ import annotations
 
 import importlib
-
-# launch is both a module and its main function: bind the function now, so
-# that importing the module later cannot shadow it (cheap: no matplotlib).
-from companion.launch import LaunchError as LaunchError
-from companion.launch import LaunchTimeout as LaunchTimeout
-from companion.launch import launch as launch
-from companion.launch import script_path as script_path
 
 # What the package exports, by module: each name is imported on first use.
 _MODULES = {
@@ -31,7 +29,7 @@ _MODULES = {
         "make_spirals",
         "make_toy_data",
     ),
-    "companion.devices": (
+    "companion.harness.devices": (
         "DeviceError",
         "cpu_count",
         "describe_hardware",
@@ -40,9 +38,15 @@ _MODULES = {
         "try_all_gpus",
         "try_gpu",
     ),
-    "companion.notebook": ("CourseError", "set_seed", "setup_notebook"),
-    "companion.plotting": ("new_axes", "plot_history"),
-    "companion.timing": (
+    "companion.harness.launch": (
+        "LaunchError",
+        "LaunchTimeout",
+        "launch",
+        "script_path",
+    ),
+    "companion.harness.notebook": ("CourseError", "set_seed", "setup_notebook"),
+    "companion.harness.plotting": ("new_axes", "plot_history"),
+    "companion.harness.timing": (
         "Benchmark",
         "OtherLoad",
         "Timing",
@@ -56,7 +60,7 @@ _MODULES = {
         "synchronize",
     ),
     "companion.training": ("accuracy", "evaluate_accuracy", "train_classifier"),
-    "companion.verdicts": (
+    "companion.harness.verdicts": (
         "Verdict",
         "check",
         "check_close",
@@ -69,7 +73,7 @@ _MODULES = {
     ),
 }
 _EXPORTS = {name: module for module, names in _MODULES.items() for name in names}
-__all__ = sorted(["LaunchError", "LaunchTimeout", "launch", "script_path", *_EXPORTS])
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> object:

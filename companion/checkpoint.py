@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from companion.notebook import CourseError
+from companion.harness.notebook import CourseError
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint"]
 

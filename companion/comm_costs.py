@@ -27,9 +27,9 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from companion.notebook import CourseError
+from companion.harness.notebook import CourseError
+from companion.harness.timing import median_interval
 from companion.parallel_costs import DeviceAndLink
-from companion.timing import median_interval
 
 __all__ = [
     "KINDS",

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from companion.notebook import CourseError
+from companion.harness.notebook import CourseError
 
 __all__ = ["FreshProcessError", "run_python", "warning_messages"]
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from companion import fast_start
-from companion.launch import (
+from companion.harness import fast_start
+from companion.harness.launch import (
     free_port,
     script_path,
     start_launcher,
@@ -252,7 +252,7 @@ def run_torchrun(
     ``__main__`` file on Linux (a notebook, a REPL, a pytest-xdist worker), with
     ``python`` left as this interpreter, torchrun starts as ``launch`` starts
     it, forked from a server that has imported it
-    (``companion.launch.start_launcher``), 2 to 3 s sooner.
+    (``companion.harness.launch.start_launcher``), 2 to 3 s sooner.
     """
     path = Path(script) if os.sep in str(script) else script_path(str(script))
     cmd = [

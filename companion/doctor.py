@@ -14,7 +14,7 @@ from importlib import metadata
 import torch
 import torch.distributed as dist
 
-from companion.devices import cpu_count, cpu_name, get_backend, num_gpus
+from companion.harness.devices import cpu_count, cpu_name, get_backend, num_gpus
 
 __all__ = ["PYTHON_FLOOR", "TORCH_TESTED", "collect_report", "main", "version_warnings"]
 

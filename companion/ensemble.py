@@ -36,14 +36,14 @@ from torch import nn
 from torch.func import functional_call, grad_and_value, stack_module_state, vmap
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from companion.timing import (
+from companion.harness.timing import (
     Benchmark,
     benchmark_interleaved,
     format_ratio,
     format_table,
     format_time,
 )
-from companion.verdicts import Verdict, check_faster
+from companion.harness.verdicts import Verdict, check_faster
 
 __all__ = [
     "MLP",

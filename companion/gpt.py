@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from companion.harness.notebook import CourseError
 from companion.memory import Checkpointed
-from companion.notebook import CourseError
 
 __all__ = [
     "GPT",

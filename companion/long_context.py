@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from companion.notebook import CourseError
+from companion.harness.notebook import CourseError
 
 if TYPE_CHECKING:  # matplotlib is imported by the figures only: the checks'
     from matplotlib.axes import Axes  # processes need the formulas alone
@@ -362,7 +362,7 @@ def plot_ring_steps(world_size: int, split: str, *, ax: Axes | None = None) -> A
     """
     from matplotlib.patches import FancyArrowPatch, Rectangle
 
-    from companion.plotting import new_axes
+    from companion.harness.plotting import new_axes
 
     chunks_held(0, world_size, split)
     ax = ax or new_axes(width=1.3 * world_size + 1.5, height=0.6 * world_size + 1)[0]
@@ -421,7 +421,7 @@ def plot_causal_blocks(
     """
     from matplotlib.patches import Patch, Rectangle
 
-    from companion.plotting import new_axes
+    from companion.harness.plotting import new_axes
 
     chunks_held(0, world_size, split)
     n = 2 * world_size
@@ -486,7 +486,7 @@ def plot_token_flow(
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch, Rectangle
 
-    from companion.plotting import new_axes
+    from companion.harness.plotting import new_axes
 
     world_size, n_experts = len(counts), len(counts[0])
     if any(len(row) != n_experts for row in counts) or n_experts % world_size:

@@ -46,7 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
-from companion.notebook import CourseError
+from companion.harness.notebook import CourseError
 
 __all__ = [
     "CATEGORIES",
@@ -598,7 +598,7 @@ def plot_snapshot(timeline: SnapshotTimeline, ax: Any = None) -> Any:
 
     Returns the matplotlib axes (new ones when ``ax`` is None). Used in chapter 12.
     """
-    from companion.plotting import new_axes
+    from companion.harness.plotting import new_axes
 
     if ax is None:
         (ax,) = new_axes(width=7.0, height=3.4)

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from companion.notebook import CourseError
+from companion.harness.notebook import CourseError
 
 __all__ = [
     "DeviceAndLink",

@@ -21,8 +21,8 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
 
+from companion.harness.plotting import new_axes
 from companion.parallel_costs import DeviceAndLink, GPTWorkload, Plan, step_costs
-from companion.plotting import new_axes
 
 __all__ = [
     "pass_legend",

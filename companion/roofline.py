@@ -34,9 +34,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-from companion.devices import describe_hardware
-from companion.notebook import CourseError
-from companion.timing import Timing, benchmark_interleaved
+from companion.harness.devices import describe_hardware
+from companion.harness.notebook import CourseError
+from companion.harness.timing import Timing, benchmark_interleaved
 
 __all__ = [
     "DATASHEET_PEAKS",
@@ -188,7 +188,7 @@ def _default_sizes(device: torch.device, dtypes: Sequence[str]) -> dict[str, int
         return {d: 8192 for d in dtypes}
     # Without bfloat16 units a CPU converts every element, tens of times slower:
     # a smaller product, so that timing it takes no longer than float32's.
-    from companion.hardware import UNKNOWN, bf16_matmul_support
+    from companion.harness.hardware import UNKNOWN, bf16_matmul_support
 
     slow = bf16_matmul_support() in (None, UNKNOWN)
     return {d: (256 if d == "bfloat16" and slow else 1024) for d in dtypes}
@@ -272,7 +272,7 @@ def plot_roofline(
     """
     import matplotlib.pyplot as plt
 
-    from companion.plotting import new_axes
+    from companion.harness.plotting import new_axes
 
     if ax is None:
         (ax,) = new_axes(width=6.4, height=4.0)

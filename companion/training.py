@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from companion.timing import Benchmark, format_time
+from companion.harness.timing import Benchmark, format_time
 
 __all__ = ["accuracy", "evaluate_accuracy", "train_classifier"]
 

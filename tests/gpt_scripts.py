@@ -22,7 +22,7 @@ import torch.distributed as dist
 from launchers import SIMULATED_GPU
 
 from companion.gpt import GPT, CharText, GPTConfig, lm_loss
-from companion.launch import launch
+from companion.harness.launch import launch
 
 # The scripts train in float32 by default; their tests compare with one
 # process in float64, as the checks do.

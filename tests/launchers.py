@@ -2,7 +2,7 @@
 
 ``LAUNCHER``: the variables torchrun and srun set, which a test removes from
 its own environment before it sets them for a case. ``free_port``
-(``companion.launch``'s): a port for a rendezvous. ``two_agents``: a script (or a check) under two torchrun
+(``companion.harness.launch``'s): a port for a rendezvous. ``two_agents``: a script (or a check) under two torchrun
 agents that meet at a c10d rendezvous on 127.0.0.1, one process each: two
 "nodes" on one machine. ``one_sentence_under_torchrun``: a bad launch under
 torchrun, and what a reader sees of it.
@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from companion.launch import free_port, script_path
+from companion.harness.launch import free_port, script_path
 
 ROOT_CAUSE = "Root Cause (first observed failure):"
 SIMULATED_GPU = Path(__file__).parent / "programs" / "simulated_gpu.py"

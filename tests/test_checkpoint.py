@@ -15,7 +15,7 @@ from companion.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from companion.notebook import CourseError
+from companion.harness.notebook import CourseError
 
 
 def make_model() -> nn.Module:

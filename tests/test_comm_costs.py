@@ -19,7 +19,7 @@ from companion.comm_costs import (
     overlap_schedule,
 )
 from companion.gpt import GPT, GPTConfig
-from companion.notebook import CourseError
+from companion.harness.notebook import CourseError
 from companion.parallel_costs import ring_all_reduce_seconds
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from companion.compilation import FreshProcessError, run_python, warning_messages
-from companion.notebook import CourseError
+from companion.harness.notebook import CourseError
 
 
 def test_warning_messages_records_category_and_text_once():

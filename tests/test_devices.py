@@ -1,10 +1,10 @@
-"""companion.devices: honest fallbacks on a CPU-only machine, and with GPUs."""
+"""companion.harness.devices: honest fallbacks on a CPU-only machine, and with GPUs."""
 
 import pytest
 import torch
 
-from companion import devices
-from companion.devices import (
+from companion.harness import devices
+from companion.harness.devices import (
     DeviceError,
     describe_hardware,
     get_backend,

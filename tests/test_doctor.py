@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 import torchvision
 
-from companion import devices, doctor
+from companion import doctor
 from companion.doctor import collect_report
+from companion.harness import devices
 
 
 @pytest.fixture

@@ -29,7 +29,7 @@ from companion.ensemble import (
     train_vmap,
     unstack,
 )
-from companion.timing import Timing
+from companion.harness.timing import Timing
 
 # vmap and the loop run the same float32 arithmetic; batched kernels may sum
 # in another order, so after TOLERANCE_STEPS steps we allow this much.

@@ -1,4 +1,4 @@
-"""companion.fast_start: workers forked from a preloaded Python behave as new ones."""
+"""companion.harness.fast_start: workers forked from a preloaded Python behave as new ones."""
 
 import json
 import os
@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from companion import fast_start
+from companion.harness import fast_start
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="a Linux fork server")
 

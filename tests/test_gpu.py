@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from companion import benchmark, try_all_gpus, try_gpu
-from companion.launch import script_path
+from companion.harness.launch import script_path
 
 pytestmark = [
     pytest.mark.gpu,

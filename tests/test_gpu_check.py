@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from companion.launch import script_paths
+from companion.harness.launch import script_paths
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))

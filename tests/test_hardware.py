@@ -1,4 +1,4 @@
-"""Tests of companion.hardware: the clock, the peak estimate, measured limits."""
+"""Tests of companion.harness.hardware: the clock, the peak estimate, measured limits."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import psutil
 import pytest
 import torch
 
-from companion import hardware
-from companion.devices import cpu_count
-from companion.hardware import (
+from companion.harness import hardware
+from companion.harness.devices import cpu_count
+from companion.harness.hardware import (
     FP32_FLOPS_PER_CYCLE,
     UNKNOWN,
     MachineLimits,
@@ -24,7 +24,7 @@ from companion.hardware import (
     measure_matmul_gflops,
     read_cpu_clock,
 )
-from companion.timing import Timing
+from companion.harness.timing import Timing
 
 
 def test_read_cpu_clock_prefers_sysfs_then_cpuinfo(tmp_path):
@@ -185,7 +185,7 @@ def test_estimate_cpu_peak_detects_cores_clock_and_isa(
 
 @pytest.fixture
 def timed(monkeypatch):
-    """Replace companion.hardware's benchmark: every call "takes" 1 ms; the calls are recorded."""
+    """Replace companion.harness.hardware's benchmark: every call "takes" 1 ms; the calls are recorded."""
     calls = []
 
     def fake_benchmark(fn, *args, **kwargs):

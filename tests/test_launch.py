@@ -1,4 +1,4 @@
-"""companion.launch: results back from real processes; time-outs and interrupts leave nothing behind.
+"""companion.harness.launch: results back from real processes; time-outs and interrupts leave nothing behind.
 
 The two-process runs happen inside a real Jupyter kernel, as in a notebook.
 """
@@ -17,9 +17,9 @@ import psutil
 import pytest
 from jupyter_client.manager import start_new_kernel
 
-from companion.devices import cpu_count
 from companion.diagnosis import run_torchrun
-from companion.launch import (
+from companion.harness.devices import cpu_count
+from companion.harness.launch import (
     LaunchError,
     LaunchTimeout,
     free_port,
@@ -95,7 +95,7 @@ TORCHRUN_HELP = [sys.executable, "-m", "torch.distributed.run", "--help"]
 
 def started_with(cmd: list[str]) -> type:
     """The kind of process ``start_launcher`` starts for ``cmd`` (run to its end)."""
-    launching = sys.modules["companion.launch"]  # the module, not the function
+    launching = sys.modules["companion.harness.launch"]  # the module, not the function
     proc = launching.start_launcher(cmd, {})
     assert "usage:" in proc.stdout.read() and proc.wait() == 0
     return type(proc)
@@ -125,7 +125,7 @@ def test_another_python_s_torchrun_starts_anew(no_main_script, tmp_path):
     other = tmp_path / "python"  # another interpreter: a stub that says it ran
     other.write_text('#!/bin/sh\necho "the other python: $*"\n')
     other.chmod(0o755)
-    launching = sys.modules["companion.launch"]
+    launching = sys.modules["companion.harness.launch"]
     proc = launching.start_launcher([str(other), *TORCHRUN_HELP[1:]], {})
     assert proc.stdout.read() == "the other python: -m torch.distributed.run --help\n"
     assert proc.wait() == 0 and type(proc) is subprocess.Popen

@@ -21,6 +21,7 @@ from matplotlib.colors import to_rgba
 from matplotlib.patches import Rectangle
 from torch.utils.flop_counter import FlopCounterMode
 
+from companion.harness.notebook import CourseError
 from companion.long_context import (
     all_to_all_bytes_per_rank,
     attend_in_blocks,
@@ -38,7 +39,6 @@ from companion.long_context import (
     ring_work_per_step,
 )
 from companion.memory import SavedTensors
-from companion.notebook import CourseError
 
 
 def held_positions(seq_len: int, rank: int, world_size: int, split: str) -> list:

@@ -1,4 +1,4 @@
-"""companion.notebook: seeding and the one-line display of course errors."""
+"""companion.harness.notebook: seeding and the one-line display of course errors."""
 
 import logging
 import random
@@ -8,7 +8,7 @@ import pytest
 import torch
 from IPython.core.interactiveshell import InteractiveShell
 
-from companion.notebook import set_seed, setup_notebook
+from companion.harness.notebook import set_seed, setup_notebook
 
 
 def test_set_seed_makes_all_generators_repeat():
@@ -46,12 +46,12 @@ def run(shell, code: str, capsys) -> tuple[str, object]:
 
 COURSE_ERRORS = [
     (
-        "companion.notebook",
+        "companion.harness.notebook",
         "CourseError",
         "The data folder is read-only; pass root= to write elsewhere.",
     ),
     (
-        "companion.devices",
+        "companion.harness.devices",
         "DeviceError",
         "3 devices were requested but this machine has 2 GPU(s); ask for at most 2.",
     ),
@@ -60,7 +60,11 @@ COURSE_ERRORS = [
         "DataUnavailableError",
         "Fashion-MNIST is not in /nowhere; call load_image_data().",
     ),
-    ("companion.launch", "LaunchError", "Port 29500 is busy; pass another port."),
+    (
+        "companion.harness.launch",
+        "LaunchError",
+        "Port 29500 is busy; pass another port.",
+    ),
     (
         "companion.checkpoint",
         "CheckpointError",
@@ -91,7 +95,7 @@ def test_other_errors_keep_their_traceback(shell, capsys):
 def test_without_setup_course_errors_show_a_traceback(shell, capsys):
     out, _ = run(
         shell,
-        "from companion.devices import DeviceError\nraise DeviceError('too many')",
+        "from companion.harness.devices import DeviceError\nraise DeviceError('too many')",
         capsys,
     )
     assert "Traceback" in out and "DeviceError: too many" in out

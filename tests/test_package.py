@@ -42,7 +42,7 @@ def test_importing_the_package_loads_no_plotting_library():
 
 def test_launch_stays_the_function_after_its_module_is_imported():
     code = (
-        "import companion.launch, companion; from companion import launch; "
+        "import companion.harness.launch, companion; from companion import launch; "
         "print(callable(launch))"
     )
     out = subprocess.run(

@@ -17,7 +17,7 @@ from companion.gpt import (
     lm_loss,
     saved_activation_bytes_formula,
 )
-from companion.notebook import CourseError
+from companion.harness.notebook import CourseError
 from companion.parallel_costs import (
     DeviceAndLink,
     GPTWorkload,

@@ -1,10 +1,10 @@
-"""companion.plotting: static curves with the right data, labels and scales."""
+"""companion.harness.plotting: static curves with the right data, labels and scales."""
 
 import matplotlib
 
 matplotlib.use("Agg")
 
-from companion.plotting import new_axes, plot_history
+from companion.harness.plotting import new_axes, plot_history
 
 
 def test_one_line_per_curve_with_default_x():

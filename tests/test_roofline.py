@@ -14,7 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from companion.ensemble import SGD, init_ensemble, make_train_step
 from companion.gpt import GPT, CharText, GPTConfig, lm_loss
-from companion.notebook import CourseError
+from companion.harness.notebook import CourseError
 from companion.roofline import (
     DATASHEET_PEAKS,
     Roofline,

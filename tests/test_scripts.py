@@ -43,7 +43,7 @@ from torch.distributed.elastic.multiprocessing.errors import (
 )
 from torch.torch_version import TorchVersion
 
-from companion.launch import GLOO_PEERS, SIBLINGS, script_paths
+from companion.harness.launch import GLOO_PEERS, SIBLINGS, script_paths
 from companion.scripts import hello_distributed
 
 SCRIPTS = Path(hello_distributed.__file__).parent

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from launchers import one_sentence_under_torchrun
 
 from companion.gpt import GPT, CharText, GPTConfig
-from companion.launch import launch
+from companion.harness.launch import launch
 from companion.long_context import expert_capacity
 from companion.scripts import expert_parallel as ep
 

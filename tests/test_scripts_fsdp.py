@@ -48,7 +48,7 @@ from torch.distributed.tensor import init_device_mesh
 
 from companion.checks import fsdp_memory
 from companion.gpt import GPT, GPTConfig, saved_activation_bytes_formula
-from companion.launch import LaunchError, launch
+from companion.harness.launch import LaunchError, launch
 from companion.scripts import fsdp_gpt, pipeline_gpt, tensor_parallel_gpt
 
 pytestmark = pytest.mark.timeout(180)

@@ -32,7 +32,7 @@ from gpt_scripts import (
 
 from companion.checks import pipeline as check
 from companion.gpt import GPT, CharText, GPTConfig
-from companion.launch import launch
+from companion.harness.launch import launch
 from companion.parallel_costs import bubble_fraction
 from companion.scripts import pipeline_gpt
 

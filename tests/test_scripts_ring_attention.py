@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from launchers import one_sentence_under_torchrun
 
-from companion.launch import launch
+from companion.harness.launch import launch
 from companion.scripts import ring_attention as ra
 
 pytestmark = pytest.mark.timeout(180)

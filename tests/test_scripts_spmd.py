@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 from launchers import SIMULATED_GPU, one_sentence_under_torchrun, two_agents
 
-from companion.launch import launch, script_path
+from companion.harness.launch import launch, script_path
 from companion.scripts import convnext_sharded, dtensor_basics, spmd_data_parallel
 
 pytestmark = pytest.mark.timeout(240)

@@ -34,7 +34,7 @@ from gpt_scripts import (
 
 from companion.checks import tensor_parallel as check
 from companion.gpt import GPT, CharText, GPTConfig, saved_activation_bytes_formula
-from companion.launch import LaunchError, launch
+from companion.harness.launch import LaunchError, launch
 from companion.scripts import tensor_parallel_gpt
 
 pytestmark = pytest.mark.timeout(180)

@@ -42,7 +42,7 @@ import pytest
 import torch
 from launchers import SIMULATED_GPU, clean_environment, free_port
 
-from companion.launch import script_path, script_paths
+from companion.harness.launch import script_path, script_paths
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "companion" / "scripts"

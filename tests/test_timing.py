@@ -1,4 +1,4 @@
-"""companion.timing: formatting, the benchmark wrapper and the context manager."""
+"""companion.harness.timing: formatting, the benchmark wrapper and the context manager."""
 
 import math
 import subprocess
@@ -11,8 +11,8 @@ import psutil
 import pytest
 import torch
 
-from companion import timing
-from companion.timing import (
+from companion.harness import timing
+from companion.harness.timing import (
     Benchmark,
     OtherLoad,
     Timing,

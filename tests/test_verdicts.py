@@ -6,8 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from companion.timing import Timing
-from companion.verdicts import (
+from companion.harness.timing import Timing
+from companion.harness.verdicts import (
     HELD_SHARE,
     NOISE_FLOOR,
     check,
@@ -159,7 +159,7 @@ def test_timing_from_samples_median_and_iqr():
 
 
 def test_format_table_names_the_threads_the_timings_used():
-    from companion.timing import format_table
+    from companion.harness.timing import format_table
 
     rows = [
         {"what": "a", "time": timing(1e-3)},

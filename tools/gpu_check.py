@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from companion.launch import script_paths
+from companion.harness.launch import script_paths
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "companion" / "scripts"

@@ -5,7 +5,7 @@ module, the mutants the tests caught (failed or timed out), those that
 survived, those no fast test covers, and those not run yet (a run limited
 with ``MUTANTS=``); then the score, caught / (caught + survived + not covered).
 
-    python tools/mutation.py [companion.timing companion.data ...]
+    python tools/mutation.py [companion.harness.timing companion.data ...]
 """
 
 from __future__ import annotations

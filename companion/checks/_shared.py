@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from companion.timing import synchronize
+from companion.harness.timing import synchronize
 
 __all__ = [
     "TOLERANCES",

@@ -8,7 +8,7 @@ load (and the processes start once):
 1. every collective of ``collective_bench.py``, timed by that script's own
    ``sweep`` in groups of ``--groups`` processes (the first n ranks), over
    message sizes from ``--min-bytes`` to ``--max-bytes``, and what other
-   programs took of the cores meanwhile (``companion.timing.OtherLoad``, the
+   programs took of the cores meanwhile (``companion.harness.timing.OtherLoad``, the
    ranks of the job counted as one program);
 
 then, on the first two ranks (the others wait, and on a CPU the two take
@@ -62,8 +62,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from companion.checks._shared import DeviceClock
 from companion.comm_costs import exposed_communication
-from companion.devices import cpu_count
 from companion.gpt import GPT, GPTConfig, lm_loss
+from companion.harness.devices import cpu_count
+from companion.harness.timing import OtherLoad
 from companion.scripts import collective_bench
 from companion.scripts.collective_bench import (
     calls_per_block,
@@ -73,7 +74,6 @@ from companion.scripts.collective_bench import (
     sync,
     where_it_ran,
 )
-from companion.timing import OtherLoad
 
 # torch 2.14 renamed DDP's broadcast_buffers (the old name warns there).
 NO_BUFFER_SYNC = (
@@ -202,7 +202,7 @@ def time_variants(
     the time of each round, the largest over the ranks (a step ends for every rank
     when it ends for the last), and their median and interquartile range. Variants
     timed in the same round met the same load: subtract them round by round
-    (``companion.timing.paired_difference``)."""
+    (``companion.harness.timing.paired_difference``)."""
     runs = list(variants.values())
     times = torch.zeros(len(runs), rounds + 1, dtype=torch.float64)
     for r in range(rounds + 1):  # the first round warms up

@@ -12,7 +12,7 @@ from pathlib import Path
 parser = argparse.ArgumentParser()
 parser.add_argument("--pid-dir", required=True)  # folder for one file per process
 parser.add_argument("--fail", action="store_true")  # print a line and exit 3
-parser.add_argument("--results", default="")  # appended by companion.launch
+parser.add_argument("--results", default="")  # appended by companion.harness.launch
 args = parser.parse_args()
 
 if args.fail:

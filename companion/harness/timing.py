@@ -21,7 +21,7 @@ from typing import Any
 import psutil
 import torch
 
-from companion.devices import describe_hardware
+from companion.harness.devices import describe_hardware
 
 __all__ = [
     "Timing",

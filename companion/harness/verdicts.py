@@ -30,7 +30,7 @@ from typing import Literal
 
 import torch
 
-from companion.timing import OtherLoad, Timing, format_ratio
+from companion.harness.timing import OtherLoad, Timing, format_ratio
 
 __all__ = [
     "HELD_SHARE",
@@ -52,7 +52,7 @@ __all__ = [
 NOISE_FLOOR = 0.05
 # The share of this process's cores that other programs may take before a
 # comparison of thread counts, or a cost model of processes that wait for each
-# other, stops being evidence (companion.timing.OtherLoad measures it: a
+# other, stops being evidence (companion.harness.timing.OtherLoad measures it: a
 # quarter of a core on two cores).
 HELD_SHARE = 0.125
 

@@ -3,7 +3,7 @@
 A rank spends about 1 s importing torch, and 1 s more importing Dynamo, which
 ``DistributedDataParallel`` and DTensor load when they start; four ranks on two
 cores wait about 5 s before they compute anything. From a notebook, the
-course's launchers (``companion.launch``, ``companion.diagnosis.run_ranks``)
+course's launchers (``companion.harness.launch``, ``companion.diagnosis.run_ranks``)
 therefore start each rank through this module, as Android starts its apps from
 its zygote:
 

@@ -23,7 +23,7 @@ macOS or on Windows, ``launch`` starts ``python -m torch.distributed.run``
 Each worker would then spend 1 to 2.5 s importing torch (and Dynamo, which
 DDP and DTensor load); four of them on two cores wait about 5 s. From a
 notebook or a REPL on Linux, ``launch`` therefore has torchrun (or plain
-``python``) start ``companion/fast_start.py SCRIPT ARGS`` instead of
+``python``) start ``companion/harness/fast_start.py SCRIPT ARGS`` instead of
 ``SCRIPT ARGS``: a worker forked from a server that has imported torch takes
 the place of a new Python, in a fraction of a second (see ``fast_start``).
 
@@ -55,8 +55,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from companion import fast_start
-from companion.devices import cpu_count, num_gpus
+from companion.harness import fast_start
+from companion.harness.devices import cpu_count, num_gpus
 
 __all__ = [
     "LaunchError",
@@ -69,15 +69,15 @@ __all__ = [
     "stop_process_group",
 ]
 
-HERE = Path(__file__).resolve().parent
+PACKAGE = Path(__file__).resolve().parents[1]  # companion/
 # A diagnostic that gloo prints on stdout in some torch versions (2.10 among
 # them), from every process at once: it can land in the middle of another line.
 GLOO_PEERS = re.compile(
     r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. "
     r"Expected number of connected peer ranks is : \d+\n?"
 )
-SCRIPTS = HERE / "scripts"
-CHECKS = HERE / "checks"
+SCRIPTS = PACKAGE / "scripts"
+CHECKS = PACKAGE / "checks"
 SIBLINGS = ("distributed_setup", "gpt_model")  # modules the scripts import
 
 
@@ -101,7 +101,7 @@ def script_path(name: str) -> Path:
 
     ``"ddp_train.py"`` names a script, ``"checks/fsdp_memory.py"`` a check.
     """
-    path = HERE / name if name.startswith("checks/") else SCRIPTS / name
+    path = PACKAGE / name if name.startswith("checks/") else SCRIPTS / name
     if not path.is_file():
         available = ", ".join(
             sorted(

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from companion.devices import cpu_count, describe_hardware
-from companion.timing import benchmark, format_ratio
+from companion.harness.devices import cpu_count, describe_hardware
+from companion.harness.timing import benchmark, format_ratio
 
 __all__ = [
     "BF16_MATMUL_FLAGS",

@@ -46,8 +46,8 @@ def _short_errors() -> None:
     if shell is None:
         return
     from companion.data import DataUnavailableError
-    from companion.devices import DeviceError
-    from companion.launch import LaunchError
+    from companion.harness.devices import DeviceError
+    from companion.harness.launch import LaunchError
 
     def show_one_line(shell, etype, value, tb, tb_offset=None):
         print(f"{etype.__name__}: {value}")

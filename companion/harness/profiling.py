@@ -25,7 +25,7 @@ import torch
 from matplotlib.axes import Axes
 from torch.profiler import ProfilerActivity, profile
 
-from companion.plotting import new_axes
+from companion.harness.plotting import new_axes
 
 __all__ = [
     "Interval",

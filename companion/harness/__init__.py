@@ -1,0 +1,16 @@
+"""The course's harness: how it times, judges, launches and shows, not what a chapter teaches.
+
+- ``timing``: benchmarks that take turns, noise bands, other programs' load;
+- ``verdicts``: ``check`` and its relatives, the ✓/✗ lines nbval compares;
+- ``launch``, ``fast_start``: scripts and checks run in their own processes
+  from a notebook, and their results read back;
+- ``devices``, ``hardware``: which devices a run uses, and this machine's
+  cores, caches and peak rates;
+- ``notebook``, ``plotting``, ``profiling``: a chapter's set-up, figures and
+  profiler tables.
+
+The helpers that chapters teach with sit one level up, a module per topic
+(``companion.memory``, ``companion.gpt``, ``companion.comm_costs``, ...); the
+scripts a reader copies are in ``companion/scripts``, and the course's
+measurements around them in ``companion/checks``.
+"""
