@@ -32,6 +32,7 @@ import sys
 
 import torch
 
+from companion import gpus_for, launch
 from companion.comm_costs import (
     assign_buckets,
     ddp_bucket_caps,
@@ -39,9 +40,8 @@ from companion.comm_costs import (
     measured_contention,
     overlap_schedule,
 )
+from companion.hardware import UNKNOWN, bf16_matmul_support, cache_bytes
 from companion.harness.devices import num_gpus, try_gpu
-from companion.harness.hardware import UNKNOWN, bf16_matmul_support, cache_bytes
-from companion.harness.launch import gpus_for, launch
 from companion.harness.timing import (
     format_ratio,
     format_table,

@@ -4,7 +4,7 @@ Notebooks import their helpers from here. The package has two kinds of
 module: the helpers chapters teach with, a module per topic
 (``companion.memory``, ``companion.gpt``, ``companion.comm_costs``, ...), and
 the course's harness in ``companion.harness`` (timing, verdicts, launching,
-devices, notebook set-up, plots, profiles). ``companion/scripts`` holds the
+devices, notebook set-up, plots); ``companion.doctor`` is a reader's tool. ``companion/scripts`` holds the
 standalone scripts a reader copies, ``companion/checks`` the course's
 measurements around them. Nothing runs at import time, and
 each name is imported from its module only when first used (PEP 562), so
@@ -41,6 +41,7 @@ _MODULES = {
     "companion.harness.launch": (
         "LaunchError",
         "LaunchTimeout",
+        "gpus_for",
         "launch",
         "script_path",
     ),

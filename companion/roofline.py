@@ -188,7 +188,7 @@ def _default_sizes(device: torch.device, dtypes: Sequence[str]) -> dict[str, int
         return {d: 8192 for d in dtypes}
     # Without bfloat16 units a CPU converts every element, tens of times slower:
     # a smaller product, so that timing it takes no longer than float32's.
-    from companion.harness.hardware import UNKNOWN, bf16_matmul_support
+    from companion.hardware import UNKNOWN, bf16_matmul_support
 
     slow = bf16_matmul_support() in (None, UNKNOWN)
     return {d: (256 if d == "bfloat16" and slow else 1024) for d in dtypes}

@@ -1,4 +1,4 @@
-"""Tests of companion.harness.hardware: the clock, the peak estimate, measured limits."""
+"""Tests of companion.hardware: the clock, the peak estimate, measured limits."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ import psutil
 import pytest
 import torch
 
-from companion.harness import hardware
-from companion.harness.devices import cpu_count
-from companion.harness.hardware import (
+from companion import hardware
+from companion.hardware import (
     FP32_FLOPS_PER_CYCLE,
     UNKNOWN,
     MachineLimits,
@@ -24,6 +23,7 @@ from companion.harness.hardware import (
     measure_matmul_gflops,
     read_cpu_clock,
 )
+from companion.harness.devices import cpu_count
 from companion.harness.timing import Timing
 
 
@@ -185,7 +185,7 @@ def test_estimate_cpu_peak_detects_cores_clock_and_isa(
 
 @pytest.fixture
 def timed(monkeypatch):
-    """Replace companion.harness.hardware's benchmark: every call "takes" 1 ms; the calls are recorded."""
+    """Replace companion.hardware's benchmark: every call "takes" 1 ms; the calls are recorded."""
     calls = []
 
     def fake_benchmark(fn, *args, **kwargs):

@@ -1,4 +1,4 @@
-"""Tests of companion.harness.profiling: traces to intervals, concurrency, the timeline figure."""
+"""Tests of companion.profiling: traces to intervals, concurrency, the timeline figure."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.profiler import record_function
 
-from companion.harness.profiling import (
+from companion.profiling import (
     Interval,
     concurrency,
     make_profiler,
@@ -141,7 +141,7 @@ def test_plot_timeline_one_row_per_thread():
 
 
 # Edges and exact texts: each test below fails on a mutant that survived a
-# mutmut run of companion.harness.profiling.
+# mutmut run of companion.profiling.
 
 
 def test_gpu_events_without_device_or_stream_and_events_without_duration(tmp_path):

@@ -1,6 +1,6 @@
 """Summarise a mutmut run (`make mutation`): the mutation score per module.
 
-Reads mutmut's results in ``mutants/companion/*.py.meta`` and prints, for each
+Reads mutmut's results in ``mutants/companion/**/*.py.meta`` and prints, for each
 module, the mutants the tests caught (failed or timed out), those that
 survived, those no fast test covers, and those not run yet (a run limited
 with ``MUTANTS=``); then the score, caught / (caught + survived + not covered).

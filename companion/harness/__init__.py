@@ -4,13 +4,13 @@
 - ``verdicts``: ``check`` and its relatives, the ✓/✗ lines nbval compares;
 - ``launch``, ``fast_start``: scripts and checks run in their own processes
   from a notebook, and their results read back;
-- ``devices``, ``hardware``: which devices a run uses, and this machine's
-  cores, caches and peak rates;
-- ``notebook``, ``plotting``, ``profiling``: a chapter's set-up, figures and
-  profiler tables.
+- ``devices``: which devices a run uses, the same way in every process;
+- ``notebook``, ``plotting``: a chapter's set-up and its figures.
 
 The helpers that chapters teach with sit one level up, a module per topic
-(``companion.memory``, ``companion.gpt``, ``companion.comm_costs``, ...); the
+(``companion.hardware``, ``companion.profiling``, ``companion.memory``,
+``companion.gpt``, ``companion.comm_costs``, ...), with ``companion.doctor``,
+which readers run (``python -m companion.doctor``); the
 scripts a reader copies are in ``companion/scripts``, and the course's
 measurements around them in ``companion/checks``.
 """
