@@ -13,11 +13,11 @@ STAMP  := $(VENV)/.installed
 
 $(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -r requirements.txt
+	bash tools/pip_install.sh $(VENV) --upgrade pip
+	bash tools/pip_install.sh $(VENV) -r requirements.txt
 	# d2l 1.0.3 pins ancient numpy/pandas/matplotlib: install it without them
 	# (its real imports are in requirements.txt).
-	$(BIN)/pip install --quiet --no-deps -r requirements-nodeps.txt
+	bash tools/pip_install.sh $(VENV) --no-deps -r requirements-nodeps.txt
 	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
@@ -47,20 +47,13 @@ OLDEST_TORCH := 2.10.0
 OLDEST_TORCHVISION := 0.25.0
 $(OLDEST)/.installed: requirements.txt requirements-nodeps.txt pyproject.toml
 	$(PYTHON) -m venv $(OLDEST)
-	$(OLDEST)/bin/pip install --quiet --upgrade pip
+	bash tools/pip_install.sh $(OLDEST) --upgrade pip
 	sed -e 's/^torch==.*/torch==$(OLDEST_TORCH)/' \
 	    -e 's/^torchvision==.*/torchvision==$(OLDEST_TORCHVISION)/' \
 	    requirements.txt > $(OLDEST)/requirements.txt
-	# torch 2.10 comes from PyPI with its CUDA libraries (about 3 GB to
-	# download): a broken download is resumed 20 times, the install tried 3 times.
-	for attempt in 1 2 3; do \
-	  $(OLDEST)/bin/pip install --quiet --resume-retries 20 \
-	    -r $(OLDEST)/requirements.txt && break; \
-	  [ $$attempt = 3 ] && exit 1; \
-	  echo "pip install failed (attempt $$attempt of 3); trying again in 30 s"; \
-	  sleep 30; \
-	done
-	$(OLDEST)/bin/pip install --quiet --no-deps -r requirements-nodeps.txt
+	# torch 2.10 comes from PyPI with its CUDA libraries (about 3 GB to download).
+	bash tools/pip_install.sh $(OLDEST) -r $(OLDEST)/requirements.txt
+	bash tools/pip_install.sh $(OLDEST) --no-deps -r requirements-nodeps.txt
 	$(OLDEST)/bin/pip install --quiet --no-deps --no-build-isolation -e .
 	touch $@
 
