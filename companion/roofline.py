@@ -291,13 +291,24 @@ def plot_roofline(
         )
     ax.axvline(roofline.balance(), color="grey", linestyle=":", linewidth=1)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    # Labels go below the points near their roof, so as not to cross it, one
+    # lower than the other in turn from left to right; the others alternate
+    # above and below, so that neighbours' labels do not collide.
+    near_roof = sorted(
+        (name for name, (x, y) in points.items() if y > roofline.ceiling(x) / 2),
+        key=lambda name: points[name][0],
+    )
     for k, (name, (x, y)) in enumerate(points.items()):
         ax.scatter([x], [y / 1e9], color=colors[k % len(colors)], zorder=3)
+        if name in near_roof:
+            offset = -21 if near_roof.index(name) % 2 else -10
+        else:
+            offset = -10 if k % 2 else 4
         ax.annotate(
             name,
             (x, y / 1e9),
             textcoords="offset points",
-            xytext=(5, -10 if k % 2 else 4),
+            xytext=(5, offset),
             fontsize=8,
         )
     ax.set_xscale("log")

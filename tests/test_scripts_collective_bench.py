@@ -180,6 +180,8 @@ def check_ddp_results(results: dict) -> None:
         len(trace["exposed_steps"]) == 3 and trace["exposed"] in trace["exposed_steps"]
     )
     assert trace["exposed"] == sorted(trace["exposed_steps"])[1]  # the median step
+    assert len(trace["communication_steps"]) == 3
+    assert trace["communication"] in trace["communication_steps"]
 
 
 @pytest.mark.slow  # chapter 16 runs this check on 4 processes in every nbval run
@@ -208,3 +210,5 @@ def test_on_four_processes_ddp_runs_on_two_and_compiled_trains_as_eager() -> Non
     backward = max(comp["compiled_autograd_graphs"], key=lambda g: g["all_reduces"])
     assert backward["all_reduces"] == len(comp["bytes"])
     assert comp["exposed"]["compiled_autograd"]["collectives"] == len(comp["bytes"])
+    for trace in comp["exposed"].values():  # --traces steps of each, as the default's
+        assert len(trace["exposed_steps"]) == len(trace["communication_steps"]) == 3

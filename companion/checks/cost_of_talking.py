@@ -29,13 +29,13 @@ their cores: ``cpu_count() // 2`` threads each), on the course GPT
 4. ``--traces`` profiled steps of the default DDP: the intervals of
    computation and of the backend's all-reduces, and the communication left
    exposed, from the rank that finished its backward pass last; every step's
-   exposed time, and the intervals of the median step; and what other
+   exposed and whole communication, and the intervals of the median step; and what other
    programs took of the cores over steps 2 to 4, as in 1;
 5. with ``--compile``: a GPT of ``--compile-layers`` blocks under
    ``torch.compile`` (graphs split at the buckets by DDP's optimizer) and
    under compiled autograd (the all-reduces traced into the backward
-   graph), their graphs counted, their losses beside eager DDP's, a step of
-   each timed and profiled.
+   graph), their graphs counted, their losses beside eager DDP's, steps of
+   each timed, and ``--traces`` steps of each profiled as in 4.
 
 Rank 0 writes everything to ``--results``. Used in chapter 16.
 """
@@ -259,9 +259,14 @@ def profiled_step(run: Callable[[], object], group, device) -> dict:
 
 
 def median_trace(traces: list[dict]) -> dict:
-    """The profiled step with the median exposed communication, and every step's."""
+    """The profiled step with the median exposed communication, and every step's
+    exposed and whole communication."""
     kept = sorted(traces, key=lambda t: t["exposed"])[len(traces) // 2]
-    return {**kept, "exposed_steps": [t["exposed"] for t in traces]}
+    return {
+        **kept,
+        "exposed_steps": [t["exposed"] for t in traces],
+        "communication_steps": [t["communication"] for t in traces],
+    }
 
 
 def ddp_part(args, rank: int, group, device) -> dict:
@@ -416,7 +421,10 @@ def compiled_part(args, rank: int, group, device) -> dict:
         }
         results["step"] = time_variants(variants, args.rounds, group, device)
         results["exposed"] = {
-            name: profiled_step(run, group, device) for name, run in variants.items()
+            name: median_trace(
+                [profiled_step(run, group, device) for _ in range(args.traces)]
+            )
+            for name, run in variants.items()
         }
     finally:
         torch._dynamo.config.compiled_autograd = False
