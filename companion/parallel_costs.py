@@ -69,22 +69,28 @@ def replay_schedule(
     *,
     forward: float = 1.0,
     backward: float = 2.0,
+    input_grad: float = 1.0,
+    weight_grad: float = 1.0,
     as_measured: bool = False,
 ) -> dict:
     """Re-time a pipeline step: the same passes in the same order, free messages.
 
     ``events`` holds one list per process of ``[kind, stage, micro-batch,
-    start, end]`` (kind ``"F"`` or ``"B"``), as ``companion/checks/pipeline.py``
-    records them. Each process runs its passes in the order it ran them, each
-    as soon as the process is free and its input is ready: the forward pass
-    of stage s after stage s - 1's, the backward pass after stage s + 1's.
-    A pass takes ``forward`` or ``backward`` (equal stages), or with
-    ``as_measured`` its own measured duration. Returns a timeline of the same
-    form, ``{"events": ..., "makespan": ...}``.
+    start, end]``, as ``companion/checks/pipeline.py`` records them: kind
+    ``"F"`` (forward), ``"B"`` (a whole backward pass), or, where the
+    schedule splits it, ``"I"`` (the input's gradient) and ``"W"`` (the
+    weights'). Each process runs its passes in the order it ran them, each as
+    soon as the process is free and its input is ready: the forward pass of
+    stage s after stage s - 1's, a backward or input pass after stage s + 1's
+    and its own forward pass, a weight pass after its own input pass. A pass
+    takes ``forward``, ``backward``, ``input_grad`` or ``weight_grad`` (equal
+    stages), or with ``as_measured`` its own measured duration. Returns a
+    timeline of the same form, ``{"events": ..., "makespan": ...}``.
     """
+    length_of = {"F": forward, "B": backward, "I": input_grad, "W": weight_grad}
     orders = [sorted(passes, key=lambda e: e[3]) for passes in events]
     last_stage = max(int(e[1]) for passes in orders for e in passes)
-    done: dict[tuple[str, int, int], float] = {}
+    done: dict[tuple[str, int, int], float] = {}  # "B" marks an input pass too
     free = [0.0] * len(orders)
     position = [0] * len(orders)
     replayed: list[list[list]] = [[] for _ in orders]
@@ -95,19 +101,18 @@ def replay_schedule(
             while position[rank] < len(passes):
                 kind, stage, micro, start, end = passes[position[rank]]
                 needs = [("F", stage - 1, micro)] if kind == "F" and stage else []
-                if kind == "B":
+                if kind in ("B", "I"):
                     needs.append(("F", stage, micro))
                     if stage < last_stage:
                         needs.append(("B", stage + 1, micro))
+                if kind == "W":
+                    needs.append(("B", stage, micro))
                 if any(need not in done for need in needs):
                     break
                 begin = max([free[rank], *(done[need] for need in needs)])
-                length = (
-                    (end - start)
-                    if as_measured
-                    else (forward if kind == "F" else backward)
-                )
-                done[kind, stage, micro] = free[rank] = begin + length
+                length = (end - start) if as_measured else length_of[kind]
+                key = "B" if kind == "I" else kind
+                done[key, stage, micro] = free[rank] = begin + length
                 replayed[rank].append([kind, stage, micro, begin, begin + length])
                 position[rank] += 1
                 remaining -= 1

@@ -205,6 +205,21 @@ def test_the_replay_follows_the_dependencies() -> None:
     assert lengths == [1] * 4 + [2] * 4
 
 
+def test_the_replay_splits_a_backward_pass_into_input_and_weight() -> None:
+    """Two stages, one micro-batch: the input pass of stage 0 waits for stage 1's,
+    a weight pass for its own input pass, and nothing waits for a weight pass."""
+    events = [
+        [["F", 0, 0, 0, 1], ["I", 0, 0, 4, 5], ["W", 0, 0, 5, 6]],
+        [["F", 1, 0, 1, 2], ["I", 1, 0, 2, 3], ["W", 1, 0, 3, 4]],
+    ]
+    replay = replay_schedule(events, forward=1.0, input_grad=2.0, weight_grad=3.0)
+    ends = {(e[0], e[1]): e[4] for passes in replay["events"] for e in passes}
+    assert ends["F", 1] == 2.0 and ends["I", 1] == 4.0 and ends["W", 1] == 7.0
+    # stage 0's input pass needs only stage 1's input pass, not its weight pass
+    assert ends["I", 0] == 6.0 and ends["W", 0] == 9.0
+    assert replay["makespan"] == 9.0
+
+
 def test_an_impossible_order_is_one_sentence() -> None:
     events = [[["B", 0, 0, 0, 1], ["F", 0, 0, 1, 2]], [["F", 1, 0, 0, 1]]]
     with pytest.raises(CourseError, match="cannot run in the order given"):

@@ -122,6 +122,33 @@ def test_the_interleaved_formula(p, m, expected) -> None:
     assert check.in_flight_formula("interleaved", p, m) == expected
 
 
+@pytest.mark.parametrize("p", [2, 4])
+def test_the_v_shaped_formulas(p) -> None:
+    """Counted on torch 2.10 and 2.14 from the check's timelines: stage passes
+    in flight, the same on every process."""
+    assert check.in_flight_formula("zbv", p, 2 * p) == [2 * p] * p
+    assert check.in_flight_formula("dualpipev", p, 4 * p) == [2 * p + 1] * p
+    assert [pipeline_gpt.stage_ids("zbv", r, p) for r in range(p)] == [
+        [r, 2 * p - 1 - r] for r in range(p)
+    ]
+    assert pipeline_gpt.stage_ids("interleaved", 1, p) == [1, 1 + p]
+
+
+def test_a_split_backward_pass_releases_at_its_weight_pass() -> None:
+    events = [  # F 0, F 1, I 0, W 0, I 1, F 2, W 1, I 2, W 2
+        ["F", 0, 0, 0.0, 0.1],
+        ["F", 0, 1, 0.1, 0.2],
+        ["I", 0, 0, 0.2, 0.3],
+        ["F", 0, 2, 0.3, 0.4],  # three held: the input pass released nothing
+        ["W", 0, 0, 0.4, 0.5],
+        ["I", 0, 1, 0.5, 0.6],
+        ["W", 0, 1, 0.6, 0.7],
+        ["I", 0, 2, 0.7, 0.8],
+        ["W", 0, 2, 0.8, 0.9],
+    ]
+    assert check.most_in_flight(events) == 3
+
+
 def test_in_flight_follows_the_order_the_passes_ended() -> None:
     events = [  # kind, stage, micro-batch, start, end: listed out of order
         ["B", 0, 0, 0.5, 0.6],
@@ -213,6 +240,46 @@ def test_the_interleaved_schedule_trains_as_one_process() -> None:
         *FLOAT64,
     ]
     script = launch(NAME, args, nproc=2)
+    assert script["losses"] == pytest.approx(reference, abs=TOL, rel=0)
+
+
+@pytest.mark.parametrize("schedule", sorted(pipeline_gpt.V_SHAPED))
+def test_the_v_shaped_schedules_need_torch_2_13(schedule, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(pipeline_gpt.torch, "__version__", "2.12.1+cpu")
+    args = ["--schedule", schedule, "--microbatches", "4"]
+    err = refusal(lambda: pipeline_gpt.parse_args(args), monkeypatch, capsys, 2, NAME)
+    assert err.startswith(
+        f"{NAME}: error: the {schedule} schedule needs torch 2.13 or newer, not "
+        "2.12.1+cpu: torch 2.10 fails"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    pipeline_gpt.torch_version() < (2, 13),
+    reason="the V-shaped schedules need torch 2.13 (the test above checks the refusal)",
+)
+def test_the_zero_bubble_schedules_train_as_one_process() -> None:
+    """ZBV and DualPipeV (V-shaped, backward split into input and weight
+    passes): the plain model's losses, every pass of every micro-batch on
+    every stage, and the activations of the formula."""
+    args = ["--schedules", "zbv,dualpipev", "--microbatches", "4", "--steps", "2"]
+    run = launch(CHECK, args, nproc=2)
+    reference = plain_losses(2)
+    for r in run["runs"]:
+        assert r["losses"] == pytest.approx(reference, abs=TOL, rel=0)
+        events = r["timeline"]["events"]
+        for rank, passes in enumerate(events):  # rank r holds stages r and 3 - r
+            assert {e[1] for e in passes} == {rank, 3 - rank}
+            forwards = sorted((e[1], e[2]) for e in passes if e[0] == "F")
+            inputs = sorted((e[1], e[2]) for e in passes if e[0] in "BI")
+            weights = sorted((e[1], e[2]) for e in passes if e[0] in "BW")
+            assert forwards == inputs == weights  # each pass once per micro-batch
+            assert len(forwards) == 2 * 4
+        assert any(e[0] == "W" for passes in events for e in passes)
+        assert r["in_flight"] == r["in_flight_formula"]
+    assert all(run["checks"].values()) and len(run["checks"]) == 4
+    script = launch(NAME, ["--schedule", "zbv", *args[2:], *FLOAT64], nproc=2)
     assert script["losses"] == pytest.approx(reference, abs=TOL, rel=0)
 
 
@@ -318,6 +385,11 @@ def test_interleaved_counts_are_judged_without_bytes() -> None:
             ),
         ),
         (["--n-head", "3"], 1, "--n-embd 64 is not a multiple of --n-head 3."),
+        (
+            ["--schedule", "zbv", "--microbatches", "2"],
+            2,
+            "the zbv schedule needs at least 4 micro-batches (one per stage), not 2.",
+        ),
     ],
 )
 def test_bad_input_is_one_sentence(
@@ -335,7 +407,7 @@ def test_bad_input_is_one_sentence(
     [
         (
             ["--schedules", "zb"],
-            "--schedules takes gpipe, 1f1b, interleaved, not 'zb'.",
+            "--schedules takes gpipe, 1f1b, interleaved, zbv, dualpipev, not 'zb'.",
         ),
         (
             ["--microbatches", "two"],

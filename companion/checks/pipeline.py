@@ -18,7 +18,10 @@ model on the same batches, and measures:
   the step, from its common start to the last stage's end, that a process
   spends outside those passes (waiting, sending, receiving), averaged over
   the processes, against (p - 1) / (v m + p - 1), v the stages per process
-  (``companion.parallel_costs.bubble_fraction``). The first step exchanges
+  (``companion.parallel_costs.bubble_fraction``); for the V-shaped
+  zero-bubble schedules, against their own order of passes replayed with
+  equal forward, input-gradient and weight-gradient passes
+  (``replay_schedule``). The first step exchanges
   shapes and is not timed; the bubble reported is the median of the others;
 - the micro-batches in flight on each process (forward done, backward not
   yet), read from the timeline, against the schedule's formula: all m for
@@ -59,7 +62,7 @@ from companion.checks._shared import (
 )
 from companion.gpt import GPTConfig, plain_losses
 from companion.memory import SavedTensors
-from companion.parallel_costs import bubble_fraction
+from companion.parallel_costs import bubble_fraction, replay_schedule, timeline_bubble
 from companion.scripts import pipeline_gpt
 
 
@@ -70,22 +73,31 @@ def in_flight_formula(schedule: str, p: int, m: int) -> list[int]:
     one more). Interleaved, counted per stage pass (a micro-batch in each of
     the process's v stages counts v times): the warm-up of torch's (and
     Megatron-LM's) schedule, (v - 1) p + 2 (p - 1 - r), and one more, at
-    most v m.
+    most v m. The V-shaped schedules, per stage pass, with m >= 2p: 2p on
+    every process for ZBV (the activations of 1F1B's first process, spread
+    evenly), 2p + 1 for DualPipeV (measured on torch 2.10 and 2.14, 2 and 4
+    processes; DeepSeek's DualPipe README gives PP + 1 for PP stages). A
+    split backward pass releases a micro-batch when its weight pass ends.
     """
     if schedule == "gpipe":
         return [m] * p
     if schedule == "1f1b":
         return [min(m, p - r) for r in range(p)]
+    if schedule == "zbv":  # every process alike, as many as 1F1B's first
+        return [2 * p] * p
+    if schedule == "dualpipev":  # one more (its overlapped F and B)
+        return [2 * p + 1] * p
     v = pipeline_gpt.STAGES_PER_PROCESS[schedule]
     return [min(v * m, (v - 1) * p + 2 * (p - 1 - r) + 1) for r in range(p)]
 
 
 def most_in_flight(events: list[list]) -> int:
     """The most micro-batches forwarded and not yet backwarded, in the order the
-    passes ended."""
+    passes ended: a whole backward pass ("B") releases one, and so does a
+    weight pass ("W"), which needs what the forward pass saved until it ends."""
     held = most = 0
     for kind, *_ in sorted(events, key=lambda e: e[4]):
-        held += 1 if kind == "F" else -1
+        held += {"F": 1, "B": -1, "W": -1}.get(kind, 0)
         most = max(most, held)
     return most
 
@@ -120,15 +132,24 @@ class Recorder:
         return [[*m[:3], self.seconds(m[3]), self.seconds(m[4])] for m in self.marks]
 
     def watch(self, stage: Any) -> None:
-        """Record each pass ``stage`` runs (it wraps the stage's own methods)."""
-        for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
+        """Record each pass ``stage`` runs (it wraps the stage's own methods): a
+        backward pass is "B" when whole, "I" when it computes only the input's
+        gradient (``full_backward=False``), whose weight gradient "W" follows."""
+        passes = (
+            ("F", "forward_one_chunk"),
+            ("B", "backward_one_chunk"),
+            ("W", "backward_weight_one_chunk"),
+        )
+        for kind, name in passes:
             setattr(stage, name, self._timed(stage, kind, getattr(stage, name)))
 
     def _timed(self, stage: Any, kind: str, run: Any) -> Any:
         def timed(chunk: int, *args: Any, **kwargs: Any) -> Any:
             start = self.mark()
             out = run(chunk, *args, **kwargs)
-            self.marks.append([kind, stage.stage_index, chunk, start, self.mark()])
+            split = kind == "B" and not kwargs.get("full_backward", True)
+            mark = ["I" if split else kind, stage.stage_index, chunk, start]
+            self.marks.append([*mark, self.mark()])
             return out
 
         return timed
@@ -198,8 +219,12 @@ def summarize(schedule: str, m: int, records: list[dict]) -> dict:
         "bubbles": bubbles,
         "bubble": statistics.median(bubbles[timed]),
         "work_seconds": statistics.median(work[timed]),  # per process, per step
-        "bubble_formula": bubble_fraction(
-            p, m, pipeline_gpt.STAGES_PER_PROCESS[schedule]
+        # The V-shaped schedules have no closed form here: their own order of
+        # passes, replayed with equal forward, input and weight passes.
+        "bubble_formula": (
+            timeline_bubble(replay_schedule([r["events"] for r in records]))
+            if schedule in pipeline_gpt.V_SHAPED
+            else bubble_fraction(p, m, pipeline_gpt.STAGES_PER_PROCESS[schedule])
         ),
         "timeline": {
             "makespan": makespans[-1],
@@ -283,7 +308,7 @@ def main() -> None:
         f"{args.seq_len}, {args.steps} steps per setting"
     )
     batches = pipeline_gpt.global_batches(args, device)
-    runs = []
+    runs, V = [], pipeline_gpt.V_SHAPED
     for schedule, m in settings:
         run = summarize(
             schedule, m, every_rank(run_setting(schedule, m, args, batches, device))
@@ -293,7 +318,8 @@ def main() -> None:
         step = statistics.median(run["step_seconds"][1:] or run["step_seconds"])
         print0(  # ~: a measured fraction, which differs from run to run
             f"{schedule:<11} m = {m:<2}  step {step * 1e3:.1f} ms, bubble "
-            f"~{run['bubble']:.2f} (formula {run['bubble_formula']:.2f}), "
+            f"~{run['bubble']:.2f} ({'replayed' if schedule in V else 'formula'} "
+            f"{run['bubble_formula']:.2f}), "
             f"in flight per process {flight}"
         )
     results, failure = None, ""

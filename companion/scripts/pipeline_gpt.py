@@ -17,9 +17,13 @@ gradients backward between neighbouring stages, and computes each
 micro-batch's loss on the last stage, in the order of ``--schedule``: gpipe
 (all forward passes, then all backward passes), 1f1b (once the pipeline is
 full, one forward and one backward pass in turn, so that stage s holds at most
-p - s micro-batches) or interleaved (1F1B with two stages per process: process
-r holds stages r and r + p). companion/checks/pipeline.py times the passes and
-counts the activations each stage holds.
+p - s micro-batches), interleaved (1F1B with two stages per process: process
+r holds stages r and r + p), or the zero-bubble schedules zbv and dualpipev
+(two stages per process in a V: process r holds stages r and 2p - 1 - r, and
+each backward pass is split into the input's gradient, sent on at once, and
+the weights', which fills what would be idle time).
+companion/checks/pipeline.py times the passes and counts the activations each
+stage holds.
 
 Exit codes: 0 done; 1 crashed; 2 a bad launch or input, said in one sentence.
 """
@@ -35,8 +39,10 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
 )
 
 from distributed_setup import fail, launched, setup_distributed, where_it_ran
@@ -56,8 +62,25 @@ SCHEDULES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
     "interleaved": ScheduleInterleaved1F1B,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
 }
-STAGES_PER_PROCESS = {"gpipe": 1, "1f1b": 1, "interleaved": 2}
+STAGES_PER_PROCESS = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zbv": 2, "dualpipev": 2}
+V_SHAPED = {"zbv", "dualpipev"}  # process r holds stages r and 2p - 1 - r
+
+
+def stage_ids(schedule: str, rank: int, p: int) -> list[int]:
+    """The stages process ``rank`` of ``p`` holds: r (and r + p when interleaved,
+    2p - 1 - r when V-shaped, so that the first and last stages share a process)."""
+    if schedule in V_SHAPED:
+        return [rank, 2 * p - 1 - rank]
+    return [rank + k * p for k in range(STAGES_PER_PROCESS[schedule])]
+
+
+def torch_version() -> tuple[int, int]:
+    """The installed torch's major and minor version."""
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
 
 
 def model_config(args: argparse.Namespace) -> GPTConfig:
@@ -98,12 +121,12 @@ class Pipeline(NamedTuple):
 
 
 def build_pipeline(model: GPT, schedule: str, microbatches: int, device) -> Pipeline:
-    """This process's stages of ``model`` (process r: stage r, and r + p when
-    interleaved), and the schedule that runs them with ``microbatches``."""
+    """This process's stages of ``model`` (``stage_ids``), and the schedule that
+    runs them with ``microbatches``."""
     rank, p = dist.get_rank(), dist.get_world_size()
     v = STAGES_PER_PROCESS[schedule]
     per_stage = len(model.blocks) // (p * v)
-    ids = [rank + k * p for k in range(v)]
+    ids = stage_ids(schedule, rank, p)
     modules = [GPTStage(model, s * per_stage, (s + 1) * per_stage) for s in ids]
     stages = [PipelineStage(m, s, p * v, device) for s, m in zip(ids, modules)]
     run = SCHEDULES[schedule](
@@ -130,10 +153,11 @@ def train_step(pipeline: Pipeline, optimizer, x: torch.Tensor, y: torch.Tensor):
 
 
 def loss_from_last_stage(loss: torch.Tensor | None, device) -> float:
-    """The last process's loss, sent to every rank (rank 0 prints it)."""
+    """The loss of the process that holds the last stage (the last process, or
+    the first when V-shaped), sent to every rank: a sum with zeros, exact."""
     none = torch.zeros((), dtype=torch.float64, device=device)
     value = none if loss is None else loss.double()
-    dist.broadcast(value, src=dist.get_world_size() - 1)
+    dist.all_reduce(value)
     return value.item()
 
 
@@ -181,6 +205,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         fail(
             f"--batch-size {args.batch_size} does not split into {m} equal "
             "micro-batches; use a multiple of --microbatches."
+        )
+    if args.schedule in V_SHAPED and m < 2 * p:
+        fail(
+            f"the {args.schedule} schedule needs at least {2 * p} micro-batches "
+            f"(one per stage), not {m}."
+        )
+    if args.schedule in V_SHAPED and torch_version() < (2, 13):
+        fail(
+            f"the {args.schedule} schedule needs torch 2.13 or newer, not "
+            f"{torch.__version__}: torch 2.10 fails in its first step, where a process "
+            "sends to itself between the V's two stages (2.13 and 2.14 ran it)."
         )
     if args.schedule != "gpipe" and (m < p or args.schedule == "interleaved" and m % p):
         fail(
