@@ -201,18 +201,19 @@ def _square_product(n: int, dtype: str, device: torch.device) -> Callable[[], No
     a = torch.randn(n, n, device=device, dtype=_DTYPES[dtype])
     b = torch.randn(n, n, device=device, dtype=_DTYPES[dtype])
     out = torch.empty(n, n, device=device, dtype=_DTYPES[dtype])
-    if dtype != "tf32":
-        return lambda: torch.mm(a, b, out=out)
+    # float32 in float32 whatever the session set (nanoGPT sets "high", which
+    # would time TF32 as float32), and "tf32" on the GPU's TF32 tensor cores.
+    precision = "high" if dtype == "tf32" else "highest"
 
-    def tf32() -> None:  # float32 inputs on the GPU's TF32 tensor cores
+    def product() -> None:
         before = torch.get_float32_matmul_precision()
-        torch.set_float32_matmul_precision("high")
+        torch.set_float32_matmul_precision(precision)
         try:
             torch.mm(a, b, out=out)
         finally:
             torch.set_float32_matmul_precision(before)
 
-    return tf32
+    return product
 
 
 def measure_roofline(
@@ -291,19 +292,19 @@ def plot_roofline(
         )
     ax.axvline(roofline.balance(), color="grey", linestyle=":", linewidth=1)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    # Labels go below the points near their roof, so as not to cross it, one
-    # lower than the other in turn from left to right; the others alternate
-    # above and below, so that neighbours' labels do not collide.
-    near_roof = sorted(
-        (name for name, (x, y) in points.items() if y > roofline.ceiling(x) / 2),
-        key=lambda name: points[name][0],
-    )
+    # Labels go below the points near their roof, so as not to cross it, and
+    # one lower than its left neighbour's where that is close enough to
+    # collide; the others alternate above and below.
+    near_roof: dict[str, int] = {}
+    left = None  # the nearest labelled point to the left, near the roof
+    for name, (x, y) in sorted(points.items(), key=lambda item: item[1][0]):
+        if y > roofline.ceiling(x) / 2:
+            close = left is not None and x < 4 * points[left][0]
+            near_roof[name] = -21 if close and near_roof[left] == -10 else -10
+            left = name
     for k, (name, (x, y)) in enumerate(points.items()):
         ax.scatter([x], [y / 1e9], color=colors[k % len(colors)], zorder=3)
-        if name in near_roof:
-            offset = -21 if near_roof.index(name) % 2 else -10
-        else:
-            offset = -10 if k % 2 else 4
+        offset = near_roof.get(name, -10 if k % 2 else 4)
         ax.annotate(
             name,
             (x, y / 1e9),

@@ -127,6 +127,28 @@ def test_plot_roofline_draws_the_roofs_and_the_points() -> None:
     assert [t.get_text() for t in ax.texts] == ["a", "b"]
 
 
+def test_labels_near_the_roof_go_below_it_and_step_down_from_close_neighbours() -> None:
+    roof = Roofline(peaks={"float32": 100e9}, copy=10e9, triad=10e9)  # balance 10
+    points = {  # intensity, FLOP/s: the first three near the roof, close together
+        "near 20": (20.0, 90e9),
+        "near 8": (8.0, 70e9),
+        "near 40": (40.0, 95e9),
+        "far below": (0.1, 0.1e9),
+        "also far": (0.2, 0.1e9),
+        "near 500": (500.0, 99e9),
+    }
+    ax = plot_roofline(roof, points)
+    offsets = {t.get_text(): t.xyann[1] for t in ax.texts}
+    assert offsets == {
+        "near 8": -10,
+        "near 20": -21,  # under its left neighbour's label, which it would meet
+        "near 40": -10,
+        "near 500": -10,  # more than 4x to the right: room enough
+        "far below": -10,  # the others alternate below and above
+        "also far": 4,
+    }
+
+
 @pytest.mark.parametrize(
     "name, model",
     [
