@@ -32,8 +32,14 @@ __all__ = [
     "plot_tensor_parallel_mlp",
 ]
 
-PASS_COLOURS = {"F": "tab:blue", "B": "tab:orange"}
-LATER_STAGE_COLOURS = {"F": "#9ecae1", "B": "#fdc38d"}  # a process's second stage
+# I and W: a backward pass split into the input's gradient and the weights'
+PASS_COLOURS = {"F": "tab:blue", "B": "tab:orange", "I": "tab:red", "W": "tab:green"}
+LATER_STAGE_COLOURS = {  # a process's second stage
+    "F": "#9ecae1",
+    "B": "#fdc38d",
+    "I": "#f4a3a3",
+    "W": "#a1d99b",
+}
 HELD, NOT_HELD, PARTIAL = "#6baed6", "#f0f0f0", "#fdae6b"
 DEVICE_ROWS = ("device 0", "device 1")
 
@@ -48,7 +54,7 @@ def plot_pipeline_timeline(
     unit: str = "ms",
     ax: Axes | None = None,
 ) -> Axes:
-    """Draw each process's forward (F) and backward (B) passes over one step.
+    """Draw each process's forward (F) and backward (B, or I and W) passes over a step.
 
     ``timeline``: ``events``, one list per process of ``[kind, stage,
     micro-batch, start, end]``, and ``makespan``, the step's length. Each
@@ -90,28 +96,34 @@ def plot_pipeline_timeline(
     ax.set_xlabel(
         "time since the step began (ms)"
         if unit == "ms"
-        else "time (one forward pass = 1, a backward pass = 2)"
+        else "time (a forward pass = 1; a backward pass = 2, or 1 + 1 when split)"
     )
     if title:
         ax.set_title(title, fontsize=9)
     return ax
 
 
-def pass_legend(fig: Figure, *, interleaved: bool = False) -> None:
-    """One legend for a figure of timelines, above the panels (it covers no bar)."""
-    handles = [
-        Patch(color=PASS_COLOURS["F"], label="forward"),
-        Patch(color=PASS_COLOURS["B"], label="backward"),
-    ]
+PASS_NAMES = {
+    "F": "forward",
+    "B": "backward",
+    "I": "input gradient",
+    "W": "weight gradient",
+}
+
+
+def pass_legend(fig: Figure, *, interleaved: bool = False, kinds: str = "FB") -> None:
+    """One legend for a figure of timelines, above the panels (it covers no bar):
+    the passes of ``kinds``, and with ``interleaved`` their second-stage shades."""
+    handles = [Patch(color=PASS_COLOURS[k], label=PASS_NAMES[k]) for k in kinds]
     if interleaved:
         handles += [
-            Patch(color=LATER_STAGE_COLOURS["F"], label="forward, second stage"),
-            Patch(color=LATER_STAGE_COLOURS["B"], label="backward, second stage"),
+            Patch(color=LATER_STAGE_COLOURS[k], label=f"{PASS_NAMES[k]}, second stage")
+            for k in kinds
         ]
     fig.legend(
         handles=handles,
         loc="outside upper center",
-        ncols=len(handles),
+        ncols=min(4, len(handles)),
         fontsize=8,
         frameon=False,
     )

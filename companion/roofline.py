@@ -292,16 +292,14 @@ def plot_roofline(
         )
     ax.axvline(roofline.balance(), color="grey", linestyle=":", linewidth=1)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    # Labels go below the points near their roof, so as not to cross it, and
-    # one lower than its left neighbour's where that is close enough to
-    # collide; the others alternate above and below.
+    # Labels go below the points near their roof, so as not to cross it, each
+    # one line lower than the labels of such points less than 4x to its left,
+    # which it would meet; the others alternate above and below.
     near_roof: dict[str, int] = {}
-    left = None  # the nearest labelled point to the left, near the roof
     for name, (x, y) in sorted(points.items(), key=lambda item: item[1][0]):
         if y > roofline.ceiling(x) / 2:
-            close = left is not None and x < 4 * points[left][0]
-            near_roof[name] = -21 if close and near_roof[left] == -10 else -10
-            left = name
+            taken = {o for n, o in near_roof.items() if x < 4 * points[n][0]}
+            near_roof[name] = next(o for o in range(-10, -200, -11) if o not in taken)
     for k, (name, (x, y)) in enumerate(points.items()):
         ax.scatter([x], [y / 1e9], color=colors[k % len(colors)], zorder=3)
         offset = near_roof.get(name, -10 if k % 2 else 4)

@@ -139,6 +139,9 @@ def test_labels_near_the_roof_go_below_it_and_step_down_from_close_neighbours() 
     }
     ax = plot_roofline(roof, points)
     offsets = {t.get_text(): t.xyann[1] for t in ax.texts}
+    crowded = {"a": (8.0, 90e9), "b": (20.0, 90e9), "c": (30.0, 90e9)}
+    ax = plot_roofline(roof, crowded)  # c is less than 4x right of both
+    assert [t.xyann[1] for t in ax.texts] == [-10, -21, -32]
     assert offsets == {
         "near 8": -10,
         "near 20": -21,  # under its left neighbour's label, which it would meet

@@ -95,7 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--seq-len", type=int, default=64)  # tokens per sequence
     add("--caps", type=float, nargs="+", default=[0.05, 0.25, 1.0, 4.0, 8.0])  # MiB
     add("--rounds", type=int, default=11)  # timed rounds (after one warm-up)
-    add("--traces", type=int, default=5)  # profiled steps of the default DDP
+    add("--traces", type=int, default=9)  # profiled steps of the default DDP
     add("--compile", action="store_true")  # also the torch.compile variants
     add("--compile-steps", type=int, default=3)  # steps compared with eager
     add("--compile-layers", type=int, default=1)  # blocks of the compiled model
