@@ -23,10 +23,12 @@ model on the same batches, and measures:
   equal forward, input-gradient and weight-gradient passes
   (``replay_schedule``). The first step exchanges
   shapes and is not timed; the bubble reported is the median of the others;
-- the micro-batches in flight on each process (forward done, backward not
-  yet), read from the timeline, against the schedule's formula: all m for
-  GPipe, p - r on process r for 1F1B, (v - 1) p + 2 (p - 1 - r) + 1 stage
-  passes for the interleaved schedule (``in_flight_formula``);
+- the micro-batches in flight on each process (forward done, backward or,
+  where it is split into an input-gradient pass I and a weight-gradient pass
+  W, its W not yet), read from the timeline, against the schedule's formula:
+  all m for GPipe, p - r on process r for 1F1B, (v - 1) p + 2 (p - 1 - r) + 1
+  stage passes for the interleaved schedule, 2p for ZBV and 2p + 1 for
+  DualPipeV on every process (``in_flight_formula``);
 - the activations each process keeps for backward
   (``companion.memory.SavedTensors``, live from a save until backward frees
   it): their peak over a step; with one stage per process also divided by
@@ -75,7 +77,7 @@ def in_flight_formula(schedule: str, p: int, m: int) -> list[int]:
     Megatron-LM's) schedule, (v - 1) p + 2 (p - 1 - r), and one more, at
     most v m. The V-shaped schedules, per stage pass, with m >= 2p: 2p on
     every process for ZBV (the activations of 1F1B's first process, spread
-    evenly), 2p + 1 for DualPipeV (measured on torch 2.10 and 2.14, 2 and 4
+    evenly), 2p + 1 for DualPipeV (measured on torch 2.13 and 2.14, 2 and 4
     processes; DeepSeek's DualPipe README gives PP + 1 for PP stages). A
     split backward pass releases a micro-batch when its weight pass ends.
     """

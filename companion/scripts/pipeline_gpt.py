@@ -19,9 +19,12 @@ micro-batch's loss on the last stage, in the order of ``--schedule``: gpipe
 full, one forward and one backward pass in turn, so that stage s holds at most
 p - s micro-batches), interleaved (1F1B with two stages per process: process
 r holds stages r and r + p), or the zero-bubble schedules zbv and dualpipev
-(two stages per process in a V: process r holds stages r and 2p - 1 - r, and
-each backward pass is split into the input's gradient, sent on at once, and
-the weights', which fills what would be idle time).
+(two stages per process in a V: process r holds stages r and 2p - 1 - r;
+zbv splits every backward pass into the input's gradient, sent on at once,
+and the weights', which fills what would be idle time; dualpipev splits
+those of its warm-up and cool-down). The V-shaped schedules run on torch 2.13
+and 2.14; torch 2.10 fails in their first step, and 2.11 and 2.12 were not
+tried, so the script refuses them below 2.13.
 companion/checks/pipeline.py times the passes and counts the activations each
 stage holds.
 
@@ -213,9 +216,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
     if args.schedule in V_SHAPED and torch_version() < (2, 13):
         fail(
-            f"the {args.schedule} schedule needs torch 2.13 or newer, not "
+            f"the {args.schedule} schedule runs here on torch 2.13 or newer, not "
             f"{torch.__version__}: torch 2.10 fails in its first step, where a process "
-            "sends to itself between the V's two stages (2.13 and 2.14 ran it)."
+            "sends to itself between the V's two stages (2.13 and 2.14 ran it; 2.11 "
+            "and 2.12 were not tried)."
         )
     if args.schedule != "gpipe" and (m < p or args.schedule == "interleaved" and m % p):
         fail(
