@@ -135,7 +135,7 @@ def test_the_v_shaped_formulas(p) -> None:
 
 
 def test_a_split_backward_pass_releases_at_its_weight_pass() -> None:
-    events = [  # F 0, F 1, I 0, W 0, I 1, F 2, W 1, I 2, W 2
+    events = [  # in the order they ran: F 0, F 1, I 0, F 2, W 0, I 1, W 1, I 2, W 2
         ["F", 0, 0, 0.0, 0.1],
         ["F", 0, 1, 0.1, 0.2],
         ["I", 0, 0, 0.2, 0.3],
