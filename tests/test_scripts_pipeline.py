@@ -33,7 +33,7 @@ from gpt_scripts import (
 from companion.checks import pipeline as check
 from companion.gpt import GPT, CharText, GPTConfig
 from companion.harness.launch import launch
-from companion.parallel_costs import bubble_fraction
+from companion.parallel_costs import bubble_fraction, replay_schedule, timeline_bubble
 from companion.scripts import pipeline_gpt
 
 pytestmark = pytest.mark.timeout(180)
@@ -132,6 +132,56 @@ def test_the_v_shaped_formulas(p) -> None:
         [r, 2 * p - 1 - r] for r in range(p)
     ]
     assert pipeline_gpt.stage_ids("interleaved", 1, p) == [1, 1 + p]
+
+
+def torch_order(schedule: str, p: int, m: int) -> list[list[list]]:
+    """The passes torch's V-shaped schedule gives each of p processes, as the
+    check records them (one unit of time each, an overlapped pair in turn),
+    computed by the schedule's own planner without starting any process."""
+    from torch.distributed.pipelining import schedules
+
+    cls = pipeline_gpt.SCHEDULES[schedule]
+    plan = cls.__new__(cls)  # the planner needs only these four numbers
+    plan.pp_group_size, plan._n_microbatches, plan.num_stages = p, m, 2 * p
+    plan.n_local_stages = 2
+    kind = {
+        schedules.F: "F",
+        schedules.B: "B",
+        schedules.I: "I",
+        schedules.W: "W",
+    }
+    events = []
+    for rank in range(p):
+        passes = []
+        for action in filter(None, plan._calculate_single_rank_operations(rank)):
+            for part in action.sub_actions or [action]:
+                t = float(len(passes))
+                passes.append(
+                    [
+                        kind[part.computation_type],
+                        part.stage_index,
+                        part.microbatch_index,
+                        t,
+                        t + 1,
+                    ]
+                )
+        events.append(passes)
+    return events
+
+
+@pytest.mark.parametrize("schedule", sorted(pipeline_gpt.V_SHAPED))
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_torchs_own_v_orders_meet_the_formulas(schedule, p) -> None:
+    """Chapter 13's formulas at more processes than it runs: torch's plans,
+    replayed with equal passes, idle (p - 1)/(6m + p - 1) of the step, and hold
+    2p (ZBV) or 2p + 1 (DualPipeV) stage passes on every process."""
+    for m in (2 * p, 4 * p):
+        events = torch_order(schedule, p, m)
+        assert timeline_bubble(replay_schedule(events)) == pytest.approx(
+            (p - 1) / (6 * m + p - 1), abs=1e-12
+        )
+        held = [check.most_in_flight(passes) for passes in events]
+        assert held == check.in_flight_formula(schedule, p, m)
 
 
 def test_a_split_backward_pass_releases_at_its_weight_pass() -> None:
