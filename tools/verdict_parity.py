@@ -66,10 +66,18 @@ class Context:
     gpu: bool
 
     def matches(self, when: str) -> bool:
-        """``"gpu"``, ``"cpu"``, or ``"torch 2.10"`` (a version prefix)."""
+        """``"gpu"``, ``"cpu"``, ``"torch 2.10"`` (a version prefix) or
+        ``"torch < 2.13"`` (every release before it)."""
         if when in ("gpu", "cpu"):
             return self.gpu == (when == "gpu")
+        if when.startswith("torch < "):
+            return release(self.torch) < release(when[8:])
         return when.startswith("torch ") and self.torch.startswith(when[6:])
+
+
+def release(version: str) -> tuple[int, ...]:
+    """``"2.11.0+cu130"`` -> ``(2, 11, 0)``: the numbers a version compares by."""
+    return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3])
 
 
 @dataclass(frozen=True)
