@@ -112,12 +112,12 @@ def test_main_is_recorded_for_torchrun(path):
 
 def test_the_scripts_are_short():
     """Non-blank lines (issue 36 took the nine from 2,689 to 1,969, plus the
-    siblings' 186, which they import)."""
+    siblings' 186, which they import; issue 37's HSDP added 9 to fsdp_gpt.py)."""
     lines = {p.name: code_lines(p) for p in ALL}
     siblings = sum(code_lines(SCRIPTS / f"{name}.py") for name in SIBLINGS)
     assert lines["hello_distributed.py"] < 40, lines
     assert max(lines.values()) <= 460, lines
-    assert sum(lines[name] for name in ORIGINAL_NINE) + siblings <= 2200, lines
+    assert sum(lines[name] for name in ORIGINAL_NINE) + siblings <= 2210, lines
 
 
 def test_the_siblings_are_imported_by_their_plain_names_only():

@@ -236,6 +236,32 @@ def test_the_checks_formulas_match_the_lists_here(n) -> None:
         assert predicted["gradient_bytes_between_microbatches"] == held
 
 
+@pytest.mark.parametrize("shards, replicate", [(2, 2), (1, 2), (2, 3)])
+def test_hsdp_adds_an_all_reduce_of_each_reduced_shard(shards, replicate) -> None:
+    """HSDP: FSDP's collectives within a replica of ``shards`` processes, then
+    one all-reduce per unit of what its reduce-scatter kept (with one shard:
+    of the whole gradients, as DDP), as many times as it reduce-scatters."""
+    config = {"n_layer": 2, "n_embd": 64, "vocab_size": 45, "block_size": 64}
+    torch.manual_seed(0)
+    units = fsdp_memory.units_of(GPT(GPTConfig(**config)))
+    shapes = [s for unit in unit_shapes(config).values() for s in unit]
+    kept = sum(-(-s[0] // shards) * math.prod(s[1:]) for s in shapes)  # elements
+    for setting, times in (("on", 1), ("on, bf16", 1), ("on, 2 parts, sync each", 2)):
+        predicted = fsdp_memory.predict_communication(
+            units, shards, 8, setting, replicate
+        )
+        within = fsdp_memory.predict_communication(units, shards, 8, setting)
+        reduced = times * kept * (4 if setting.endswith("bf16") else 8)
+        all_reduce = {
+            "calls": times * 3,
+            "input_bytes": reduced,
+            "output_bytes": reduced,
+        }
+        assert predicted["collectives"] == within["collectives"] | {
+            "all-reduce": all_reduce
+        }
+
+
 @pytest.fixture(scope="module")
 def two(tmp_path_factory) -> tuple[dict, Path]:
     """The check on 2 processes: train 3 steps, count, judge, save; its results and checkpoint."""
@@ -380,6 +406,18 @@ def test_a_checkpoints_sizes_cannot_change(two, monkeypatch, capsys) -> None:
             ),
         ),
         (["--microbatches", "0"], 1, "--microbatches must be at least 1, not 0."),
+        (
+            ["--replicate", "3"],
+            4,
+            "--replicate 3 does not divide the 4 processes into equal replicas; "
+            "give a divisor of the process count.",
+        ),
+        (
+            ["--replicate", "0"],
+            2,
+            "--replicate 0 does not divide the 2 processes into equal replicas; "
+            "give a divisor of the process count.",
+        ),
     ],
 )
 def test_bad_input_is_one_sentence(
@@ -434,6 +472,33 @@ def test_one_two_and_four_processes_train_alike_with_either_resharding() -> None
         timeout=120,
     )
     assert_losses_match(off, 0, 4)
+
+
+@pytest.mark.slow
+def test_hsdp_on_four_processes_meets_its_formulas_and_resumes_as_fsdp(
+    tmp_path,
+) -> None:
+    """2 replicas of 2 shards: the check's formulas and losses, replicas that
+    hold the same shards, and a checkpoint that plain FSDP on 2 resumes."""
+    ckpt = tmp_path / "ckpt"
+    out = launch(
+        CHECK,
+        ["--steps", "3", "--replicate", "2", "--save", ckpt],
+        nproc=4,
+        timeout=150,
+    )
+    assert out["replicate"] == 2 and all(out["checks"].values()), out["checks"]
+    assert_losses_match(out, 0, 3)
+    # Each replica holds the model as 2 processes of FSDP would.
+    measured = out["memory"]["measured"]
+    assert measured == [expected_state(out["config"], 2, r % 2) for r in range(4)]
+    collectives, _ = expected_communication(out["config"], 2, "on")
+    reduced = collectives["reduce-scatter"]["output_bytes"]
+    assert out["communication"]["on"]["per_step"][0] == collectives | {
+        "all-reduce": {"calls": 3, "input_bytes": reduced, "output_bytes": reduced}
+    }
+    resumed = launch(NAME, ["--steps", "2", "--load", ckpt], nproc=2, timeout=120)
+    assert_losses_match(resumed, 3, 2)
 
 
 @pytest.mark.slow

@@ -18,6 +18,9 @@ functions, and measures:
   FSDP2, which keeps it), "off" and "all-on" (the root too), and for "on"
   with FSDP2's mixed precision ("on, bf16": gathered in bfloat16, reduced
   in float32), against their formulas; one process makes no collective;
+- with ``--replicate R``, all of it for HSDP: R replicas, each sharded
+  over N / R processes, whose reduce-scattered gradients are then
+  all-reduced across the replicas;
 - with two or more processes, gradient accumulation over 2 parts of each
   rank's slice, with the "on" sharding: its collectives, reduce-scattered
   after the last part or after each, and the bytes live as the second
@@ -58,7 +61,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.distributed.tensor import DTensor, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from companion.checks._shared import clock, every_rank, finish, print0, tolerance
 from companion.collectives import CollectiveCounter
@@ -166,9 +169,12 @@ def zero_formulas(n_params: int, n_tensors: int, world_size: int, b: int) -> dic
     }
 
 
-def predict_communication(units: list[dict], n: int, b: int, setting: str) -> dict:
+def predict_communication(
+    units: list[dict], n: int, b: int, setting: str, replicate: int = 1
+) -> dict:
     """Collectives of one training step, the unsharded bytes after forward and,
-    with gradient accumulation, the gradient bytes held between micro-batches.
+    with gradient accumulation, the gradient bytes held between micro-batches,
+    on each of ``replicate`` replicas sharded over ``n`` processes.
 
     Unit u's padded shard has S_u elements; its all-gather sends S_u and
     receives N S_u, its reduce-scatter sends N S_u and keeps S_u. Every unit
@@ -178,7 +184,10 @@ def predict_communication(units: list[dict], n: int, b: int, setting: str) -> di
     unit gathers K times as often, and reduce-scatters K times (sync each)
     or once (sync last: until then every rank adds up the whole, unsharded
     gradients, the model's P b bytes, where sync each holds its padded
-    shards). One process: no collectives.
+    shards). One process: no collectives. HSDP (``replicate`` R > 1)
+    all-reduces each reduce-scatter's output, S_u elements of the reduced
+    dtype, across the R replicas; with n = 1 it all-reduces the whole
+    gradients alone, as DDP would.
     """
     blocks, root, mixed = SETTINGS.get(setting, SETTINGS["on"])
     k, sync = ACCUMULATION.get(setting, (1, "each"))
@@ -196,27 +205,29 @@ def predict_communication(units: list[dict], n: int, b: int, setting: str) -> di
     )
     # And the first part's loss, one element of b bytes, kept for the step's.
     held = {"last": whole, "each": sum(grads.values())}[sync] + b if k > 1 else None
-    if n == 1:
-        return {
-            "collectives": {},
-            "unsharded_bytes_after_forward": kept,
-            "gradient_bytes_between_microbatches": held,
-        }
     gathers = {name: k * (2 if resharded[name] else 1) for name in shard}
     reduces = k if sync == "each" else 1
+    collectives = {}
+    if n > 1:
+        collectives["all-gather"] = {
+            "calls": sum(gathers.values()),
+            "input_bytes": sum(gathers[u] * s for u, s in shard.items()),
+            "output_bytes": sum(gathers[u] * n * s for u, s in shard.items()),
+        }
+        collectives["reduce-scatter"] = {
+            "calls": reduces * len(grads),
+            "input_bytes": reduces * sum(n * s for s in grads.values()),
+            "output_bytes": reduces * sum(grads.values()),
+        }
+    if replicate > 1:
+        reduced = reduces * sum(grads.values())
+        collectives["all-reduce"] = {
+            "calls": reduces * len(grads),
+            "input_bytes": reduced,
+            "output_bytes": reduced,
+        }
     return {
-        "collectives": {
-            "all-gather": {
-                "calls": sum(gathers.values()),
-                "input_bytes": sum(gathers[u] * s for u, s in shard.items()),
-                "output_bytes": sum(gathers[u] * n * s for u, s in shard.items()),
-            },
-            "reduce-scatter": {
-                "calls": reduces * len(grads),
-                "input_bytes": reduces * sum(n * s for s in grads.values()),
-                "output_bytes": reduces * sum(grads.values()),
-            },
-        },
+        "collectives": collectives,
         "unsharded_bytes_after_forward": kept,
         "gradient_bytes_between_microbatches": held,
     }
@@ -347,10 +358,12 @@ def save_measured(model, optimizer, folder: Path, meta: dict, device) -> dict:
 
 def judge(run: dict, everyone: list[dict], reference: list[float], tol: float):
     """On rank 0: the results and the sentence for exit code 3 ("" if none)."""
-    n, b, units = run["world_size"], run["dtype_bytes"], run.pop("units")
-    predicted_state = [predict_state(units, n, r, b) for r in range(n)]
-    counted = counted_settings(n)
-    predicted = {s: predict_communication(units, n, b, s) for s in counted}
+    world, b, units = run["world_size"], run["dtype_bytes"], run.pop("units")
+    replicate = run["replicate"]
+    n = world // replicate  # the processes each replica is sharded over
+    predicted_state = [predict_state(units, n, r % n, b) for r in range(world)]
+    counted = counted_settings(world)
+    predicted = {s: predict_communication(units, n, b, s, replicate) for s in counted}
     measured_states = [e["state"] for e in everyone]
     comm = everyone[0]["communication"]
     diff = max(abs(a - r) for a, r in zip(run["losses"], reference))
@@ -393,7 +406,8 @@ def judge(run: dict, everyone: list[dict], reference: list[float], tol: float):
                         p
                         | {
                             "rows_per_rank": [
-                                shard_rows(p["shape"][0], n, r) for r in range(n)
+                                shard_rows(p["shape"][0], n, r % n)
+                                for r in range(world)
                             ],
                             "padded_rows": math.ceil(p["shape"][0] / n),
                         }
@@ -497,12 +511,13 @@ def main() -> None:
     config = fsdp_gpt.model_config(args)
     start = args.meta["step"] if args.meta else 0
     batches = fsdp_gpt.global_batches(args, device, start)
-    mesh = init_device_mesh(device.type, (world_size,))
+    mesh = fsdp_gpt.fsdp_mesh(device.type, world_size, args.replicate)
+    hsdp = f", HSDP: {args.replicate} replicas" if args.replicate > 1 else ""
     print0(
         f"{world_size} process{'es' if world_size > 1 else ''} on {device.type}: "
         f"{config.n_layer} blocks of width {config.n_embd} in {args.dtype}, global "
         f"batch {args.batch_size} x {args.seq_len}, steps {start} to "
-        f"{start + args.steps - 1}"
+        f"{start + args.steps - 1}{hsdp}"
     )
 
     def sharded(setting: tuple) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -588,6 +603,7 @@ def main() -> None:
             "check": "fsdp_memory.py",
             "torch": str(torch.__version__),
             "world_size": world_size,
+            "replicate": args.replicate,
             "config": asdict(config),
             "n_params": sum(math.prod(s) for s in shapes),
             "n_param_tensors": len(shapes),

@@ -2,6 +2,7 @@
 
     python fsdp_gpt.py                                                  # one process
     torchrun --standalone --nproc-per-node=4 fsdp_gpt.py --save ckpt    # four, here
+    torchrun --standalone --nproc-per-node=4 fsdp_gpt.py --replicate 2  # HSDP, 2 x 2
     torchrun --standalone --nproc-per-node=2 fsdp_gpt.py --load ckpt    # resume on 2
     torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d \\
         --rdzv-endpoint=HOST:29500 --rdzv-id=fsdp fsdp_gpt.py --save ckpt  # each node
@@ -14,7 +15,10 @@ on its slice of the same global batches of the Zen of Python, read as
 characters (``--mixed-precision bf16``: gathered and computed in bfloat16,
 gradients reduced in float32, the shards and Adam's state in ``--dtype``;
 ``--microbatches K``: gradient accumulation over K parts of each rank's slice,
-reduce-scattered after the last part, or with ``--sync each`` after each).
+reduce-scattered after the last part, or with ``--sync each`` after each;
+``--replicate R``: HSDP, R replicas of the model, each sharded over N / R
+processes, on a 2-D mesh; each process's gradients are reduce-scattered
+within its replica and then all-reduced across the replicas).
 ``--save DIR`` writes a sharded checkpoint with torch.distributed.checkpoint
 (each rank its own shards, into DIR.tmp, renamed to DIR once complete, on a
 file system every node sees) and the full state gathered to rank 0
@@ -81,6 +85,15 @@ def local_slice(t: torch.Tensor) -> torch.Tensor:
 # ---- parallelise: FSDP2, one unit per block and one for the rest
 
 
+def fsdp_mesh(device_type: str, world_size: int, replicate: int = 1):
+    """FSDP2's mesh: one row of processes, or for HSDP ``replicate`` rows (the
+    replicas); process r holds shard r % columns of replica r // columns."""
+    if replicate == 1:
+        return init_device_mesh(device_type, (world_size,))
+    shape = (replicate, world_size // replicate)
+    return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
+
+
 def shard_model(model: GPT, mesh, reshard_after_forward=True, root=None, mixed=None):
     """``fully_shard`` each block, then the root, in place.
 
@@ -88,7 +101,7 @@ def shard_model(model: GPT, mesh, reshard_after_forward=True, root=None, mixed=N
     after its forward pass (and gathers them again for backward). ``root``:
     the same for the root; None leaves it to FSDP2, which keeps the root's
     gathered, since its backward pass begins at once. ``mixed``: a key of
-    MIXED, or None for no mixed precision.
+    MIXED, or None for no mixed precision. A 2-D ``mesh`` makes it HSDP.
     """
     policy = MIXED[mixed] if mixed else MixedPrecisionPolicy()  # default: none
     for block in model.blocks:
@@ -284,6 +297,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1,
         help="gradient accumulation: parts of each rank's slice (default: 1)",
     )
+    add("--replicate", type=int, default=1, help="HSDP's replicas (default: 1)")
     add(
         "--sync",
         choices=("last", "each"),
@@ -314,6 +328,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"--batch-size {args.batch_size} does not split evenly over {world_size} "
             f"processes; use a multiple of {world_size}."
         )
+    if args.replicate < 1 or world_size % args.replicate:
+        fail(
+            f"--replicate {args.replicate} does not divide the {world_size} "
+            "processes into equal replicas; give a divisor of the process count."
+        )
     parts = world_size * args.microbatches  # equal micro-batches weigh alike
     if args.microbatches < 1:
         fail(f"--microbatches must be at least 1, not {args.microbatches}.")
@@ -333,7 +352,7 @@ def main() -> None:
     args = parse_args()
     rank, world_size, device = setup_distributed(args.timeout)
     model = build_model(model_config(args), args.seed, args.dtype, device)
-    mesh = init_device_mesh(device.type, (world_size,))
+    mesh = fsdp_mesh(device.type, world_size, args.replicate)
     on = args.reshard_after_forward == "on"
     shard_model(model, mesh, on, mixed=args.mixed_precision)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
