@@ -15,7 +15,11 @@ are in ``companion.parallel_plots``):
   from FLOPs, bytes and a link's bandwidth and latency, and the bytes each
   device holds: the model state and the activations saved for backward
   (chapter 12's formula), with gradient accumulation, recomputation and
-  sequence parallelism as a plan chooses them. It ignores kernels'
+  sequence parallelism as a plan chooses them. ``Layout``,
+  ``layout_costs`` and ``layout_memory`` are the same model for layouts
+  that combine them (data x shard x tensor x pipeline degrees, HSDP
+  among them, each on its own link), which ``layouts`` lists; a ``Plan``
+  is the layout of one kind over all devices. It ignores kernels'
   efficiency at small sizes, the framework's own overheads and the memory
   its formulas leave out (temporaries, gathered parameters, the logits),
   which is where its predictions and a measurement part.
@@ -25,6 +29,8 @@ Used in chapter 13.
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -33,9 +39,14 @@ from companion.harness.notebook import CourseError
 __all__ = [
     "DeviceAndLink",
     "GPTWorkload",
+    "Layout",
     "Plan",
     "bubble_fraction",
+    "layout_costs",
+    "layout_memory",
+    "layouts",
     "memory_bytes",
+    "node_links",
     "model_state_bytes",
     "replay_schedule",
     "ring_all_reduce_seconds",
@@ -46,6 +57,7 @@ __all__ = [
 ]
 
 LAYOUTS = ("data", "fsdp", "tensor", "pipeline")
+DEGREES = ("data", "shard", "tensor", "pipeline")  # a Layout's
 
 
 def bubble_fraction(stages: int, microbatches: int, per_process: int = 1) -> float:
@@ -220,6 +232,102 @@ class Plan:
                 f"the {self.layout} layout has none to split."
             )
 
+    def on(self, processes: int) -> Layout:
+        """This plan as a ``Layout`` of ``processes`` devices, all in one degree."""
+        degree = {"fsdp": "shard"}.get(self.layout, self.layout)
+        return Layout(
+            **{degree: processes},
+            microbatches=self.microbatches,
+            recompute=self.recompute,
+            sequence_parallel=self.sequence_parallel,
+            overlap=self.overlap,
+        )
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Devices as a mesh of four degrees, N their product (torchtitan's order,
+    outermost first: its pipeline, replicate, shard and tensor dimensions).
+
+    ``data`` replicas all-reduce their gradients once per step; each replica
+    is sharded ``shard`` ways (FSDP, ZeRO-3: with ``data`` > 1 that is HSDP)
+    and holds the batch's ``data * shard``-th part; ``tensor`` devices split
+    every block's products (Megatron-LM); ``pipeline`` stages hold L /
+    ``pipeline`` blocks each. ``microbatches``, ``recompute``,
+    ``sequence_parallel`` and ``overlap`` are a ``Plan``'s.
+    """
+
+    data: int = 1
+    shard: int = 1
+    tensor: int = 1
+    pipeline: int = 1
+    microbatches: int = 1
+    recompute: bool = False
+    sequence_parallel: bool = False
+    overlap: bool = False
+
+    def __post_init__(self) -> None:
+        degrees = [getattr(self, d) for d in DEGREES]
+        if min(degrees) < 1 or self.microbatches < 1:
+            raise CourseError(
+                "a layout's degrees and micro-batches must be at least 1, not "
+                f"{', '.join(map(str, degrees))} and {self.microbatches}."
+            )
+
+    @property
+    def devices(self) -> int:
+        return self.data * self.shard * self.tensor * self.pipeline
+
+    @property
+    def batch_split(self) -> int:
+        """Devices that hold different sequences of the batch."""
+        return self.data * self.shard
+
+    def __str__(self) -> str:
+        """E.g. "shard 2 x tensor 2, k = 2, recompute" (m for a pipeline)."""
+        parts = [f"{d} {getattr(self, d)}" for d in DEGREES if getattr(self, d) > 1]
+        name = " x ".join(parts) or "one device"
+        if self.microbatches > 1:
+            name += f", {'m' if self.pipeline > 1 else 'k'} = {self.microbatches}"
+        if self.sequence_parallel:
+            name += ", SP"
+        return name + (", recompute" if self.recompute else "")
+
+
+def layouts(
+    processes: int,
+    microbatches: Sequence[int] = (1,),
+    recompute: Sequence[bool] = (False,),
+    degrees: Sequence[str] = DEGREES,
+) -> list[Layout]:
+    """Every layout of ``processes`` devices over ``degrees`` (their products
+    equal to it), with each of ``microbatches`` and ``recompute``: the list
+    a search starts from, before ``layout_memory`` removes what does not fit."""
+    found = []
+    sizes = [d for d in range(1, processes + 1) if processes % d == 0]
+    for split in itertools.product(sizes, repeat=len(degrees)):
+        if math.prod(split) != processes:
+            continue
+        for k, again in itertools.product(microbatches, recompute):
+            found.append(
+                Layout(**dict(zip(degrees, split)), microbatches=k, recompute=again)
+            )
+    return found
+
+
+def node_links(
+    layout: Layout, per_node: int, inside: DeviceAndLink, across: DeviceAndLink
+) -> dict[str, DeviceAndLink]:
+    """The link of each degree's collectives when the devices fill nodes of
+    ``per_node`` in the mesh's order (tensor innermost, then shard, data and
+    pipeline): a degree's groups stay ``inside`` a node when they and the
+    degrees within them span at most ``per_node`` devices."""
+    links, span = {}, 1
+    for degree in ("tensor", "shard", "data", "pipeline"):  # inner to outer
+        span *= getattr(layout, degree)
+        links[degree] = inside if span <= per_node else across
+    return links
+
 
 def ring_all_reduce_seconds(nbytes: float, processes: int, hw: DeviceAndLink) -> float:
     """A ring all-reduce: each device sends 2 (N - 1) / N of the bytes in 2 (N - 1) messages."""
@@ -235,14 +343,14 @@ def ring_half_seconds(nbytes: float, processes: int, hw: DeviceAndLink) -> float
     return steps / processes * nbytes / hw.bandwidth + steps * hw.latency
 
 
-def _sequences_per_part(model: GPTWorkload, plan: Plan, processes: int) -> float:
+def _sequences_per_part(model: GPTWorkload, layout: Layout) -> float:
     """Sequences in one micro-batch on one device; at least one, or refused."""
-    split = processes if plan.layout in ("data", "fsdp") else 1
-    per_part = model.batch_size / (split * plan.microbatches)
+    split = layout.batch_split
+    per_part = model.batch_size / (split * layout.microbatches)
     if per_part < 1:
         over = f" over {split} devices" if split > 1 else ""
         raise CourseError(
-            f"{plan.microbatches} micro-batches cannot split a batch of "
+            f"{layout.microbatches} micro-batches cannot split a batch of "
             f"{model.batch_size} sequences{over}; use at most "
             f"{model.batch_size // split}."
         )
@@ -281,39 +389,69 @@ def step_costs(
     them, and the pipeline's messages are counted only where a stage waits for
     them, so ``overlap`` leaves those two unchanged.
     """
-    n, k = processes, plan.microbatches
-    _sequences_per_part(model, plan, n)
-    compute = model.step_flops / hw.flops / n * (4 / 3 if plan.recompute else 1)
-    bubble = communication = 0.0
-    weights = model.parameters * model.dtype_bytes
-    gradients = model.parameters * model.grad_bytes
-    if plan.layout == "data":
-        communication = ring_all_reduce_seconds(gradients, n, hw)
-    elif plan.layout == "fsdp":
-        communication = k * (
-            2 * ring_half_seconds(weights, n, hw) + ring_half_seconds(gradients, n, hw)
+    return layout_costs(model, hw, plan.on(processes))
+
+
+def layout_costs(
+    model: GPTWorkload,
+    hw: DeviceAndLink,
+    layout: Layout,
+    links: Mapping[str, DeviceAndLink] | None = None,
+) -> dict[str, float]:
+    """``step_costs`` for a layout that combines degrees, each degree's
+    collectives on ``links[degree]`` (default: ``hw``, whose FLOP rate every
+    device has).
+
+    Per device: 1/N of the step's FLOPs. Per micro-batch, within its shard
+    group, FSDP's two all-gathers of this device's blocks' parameters (those
+    its tensor and pipeline degrees leave it) and a reduce-scatter of their
+    gradients; once per step, across the replicas, an all-reduce of the
+    gradients it keeps (a shard's, with ``shard`` > 1: HSDP). Tensor
+    parallelism's all-reduces carry one micro-batch of this device's
+    sequences, in its L / ``pipeline`` blocks; a pipeline sends the same
+    activations across its boundaries. ``overlap`` hides only the first two
+    kinds of traffic behind the compute.
+    """
+    link = {d: (links or {}).get(d, hw) for d in DEGREES}
+    n, k = layout.devices, layout.microbatches
+    _sequences_per_part(model, layout)
+    compute = model.step_flops / hw.flops / n * (4 / 3 if layout.recompute else 1)
+    held = model.parameters / (layout.tensor * layout.pipeline)
+    weights, gradients = held * model.dtype_bytes, held * model.grad_bytes
+    hideable = exposed = bubble = 0.0
+    if layout.shard > 1:
+        hideable += k * (
+            2 * ring_half_seconds(weights, layout.shard, link["shard"])
+            + ring_half_seconds(gradients, layout.shard, link["shard"])
         )
-    elif plan.layout == "tensor":
-        per_block = 6 if plan.recompute else 4
-        part = model.activation_bytes / k
-        communication = (
-            k * per_block * model.n_layer * ring_all_reduce_seconds(part, n, hw)
+    if layout.data > 1:
+        kept = gradients / layout.shard
+        hideable += ring_all_reduce_seconds(kept, layout.data, link["data"])
+    part = model.activation_bytes / (layout.batch_split * k)  # a micro-batch's
+    if layout.tensor > 1:
+        per_block = 6 if layout.recompute else 4
+        blocks = model.n_layer / layout.pipeline
+        exposed += (
+            k
+            * per_block
+            * blocks
+            * ring_all_reduce_seconds(part, layout.tensor, link["tensor"])
         )
-    else:  # pipeline
-        fraction = bubble_fraction(n, k)
+    if layout.pipeline > 1:
+        fraction = bubble_fraction(layout.pipeline, k)
         bubble = compute * fraction / (1 - fraction)
         # On the critical path: one micro-batch's activations cross the p - 1
         # boundaries forward, and their gradients backward; the other
         # transfers overlap with other stages' computation.
-        message = model.activation_bytes / k / hw.bandwidth + hw.latency
-        communication = 2 * (n - 1) * message
-    hidden = plan.overlap and plan.layout in ("data", "fsdp")
-    total = max(compute, communication) if hidden else compute + communication
+        pipe = link["pipeline"]
+        message = part / pipe.bandwidth + pipe.latency
+        exposed += 2 * (layout.pipeline - 1) * message
+    busy = max(compute, hideable) if layout.overlap else compute + hideable
     return {
         "compute": compute,
-        "communication": communication,
+        "communication": hideable + exposed,
         "bubble": bubble,
-        "total": total + bubble,
+        "total": busy + exposed + bubble,
     }
 
 
@@ -326,58 +464,71 @@ def model_state_bytes(model: GPTWorkload, layout: str, processes: int) -> float:
     (8), plus float32 master weights (4) when the weights are narrower:
     2 + 4 + 12 = 18 bytes per parameter in bfloat16 mixed precision with
     float32 gradients (as Megatron-LM keeps them), 16 in float32. FSDP2's
-    shards hold 16 (float32 weights, gradients and moments).
+    shards hold 16 (float32 weights, gradients and moments), and so, in this
+    model, does every layout that splits the blocks.
     """
     if layout not in LAYOUTS:
         raise CourseError(
             f"the cost model knows the layouts {', '.join(LAYOUTS)}, not {layout!r}."
         )
-    if layout != "data":
-        return model.parameters * 16 / processes
+    return _state_bytes(model, Plan(layout).on(processes))
+
+
+def _state_bytes(model: GPTWorkload, layout: Layout) -> float:
+    """``model_state_bytes`` of a layout: its blocks' share, 16 bytes per
+    parameter where anything splits the blocks, else data parallelism's."""
+    split = layout.shard * layout.tensor * layout.pipeline
+    if split > 1:
+        return model.parameters * 16 / split
     master = 4 if model.dtype_bytes < 4 else 0
     per_parameter = model.dtype_bytes + model.grad_bytes + master + 8
     return model.parameters * per_parameter
 
 
 def saved_activation_bytes(model: GPTWorkload, plan: Plan, processes: int) -> float:
-    """Bytes of activations one device keeps for backward at its peak.
+    """Bytes of activations one device keeps for backward at its peak
+    (``layout_memory``'s ``"activations"`` for the plan on ``processes``)."""
+    return _activation_bytes(model, plan.on(processes))
 
-    Chapter 12's count with fused attention, per position and block:
+
+def _activation_bytes(model: GPTWorkload, layout: Layout) -> float:
+    """Chapter 12's count with fused attention, per position and block:
     16 d + 4 + h elements of ``model.dtype_bytes``; under tensor parallelism
-    4 d + 4 + (12 d + h)/N, with sequence parallelism 2 d + (14 d + 4 + h)/N
-    (chapter 13's formulas, as DTensor keeps them). A device holds one
-    micro-batch's positions, of its share of the batch (data, FSDP) or of
-    the whole batch (tensor), in all L blocks; a pipeline's first stage, the
-    fullest under 1F1B, holds min(m, N) micro-batches in its L/N blocks.
-    With ``plan.recompute`` each block keeps only its input (d per position,
-    d/N with sequence parallelism), plus one block's full activations while
-    the backward pass recomputes it.
+    over t devices 4 d + 4 + (12 d + h)/t, with sequence parallelism
+    2 d + (14 d + 4 + h)/t (chapter 13's formulas, as DTensor keeps them). A
+    device holds one micro-batch of its share of the batch (1 / (data x
+    shard) of it) in its L / pipeline blocks; a pipeline's first stage, the
+    fullest under 1F1B, holds min(m, pipeline) micro-batches. With
+    ``recompute`` each block keeps only its input (d per position, d/t with
+    sequence parallelism), plus one block's full activations while the
+    backward pass recomputes it.
     """
-    n, d, h = processes, model.n_embd, model.n_head
-    sequences = _sequences_per_part(model, plan, n)
-    if plan.layout == "pipeline":
-        sequences = model.batch_size / plan.microbatches
-    positions = sequences * model.seq_len
-    blocks, in_flight = model.n_layer, 1
-    if plan.layout == "pipeline":
-        blocks, in_flight = model.n_layer / n, min(plan.microbatches, n)
-    if plan.layout != "tensor":
+    t, d, h = layout.tensor, model.n_embd, model.n_head
+    positions = _sequences_per_part(model, layout) * model.seq_len
+    blocks = model.n_layer / layout.pipeline
+    in_flight = min(layout.microbatches, layout.pipeline)
+    if t == 1:
         whole, kept = 16 * d + 4 + h, d
-    elif plan.sequence_parallel:
-        whole, kept = 2 * d + (14 * d + 4 + h) / n, d / n
+    elif layout.sequence_parallel:
+        whole, kept = 2 * d + (14 * d + 4 + h) / t, d / t
     else:
-        whole, kept = 4 * d + 4 + (12 * d + h) / n, d
-    per_position = in_flight * blocks * (kept if plan.recompute else whole)
-    if plan.recompute:
+        whole, kept = 4 * d + 4 + (12 * d + h) / t, d
+    per_position = in_flight * blocks * (kept if layout.recompute else whole)
+    if layout.recompute:
         per_position += whole  # the block being recomputed, one micro-batch
     return per_position * positions * model.dtype_bytes
 
 
 def memory_bytes(model: GPTWorkload, plan: Plan, processes: int) -> dict[str, float]:
-    """Bytes per device: ``"state"`` (``model_state_bytes``), ``"activations"``
-    (``saved_activation_bytes``) and their ``"total"``. Left out: temporaries, the
-    gradients in flight, the parameters FSDP gathers, the logits and the
-    allocator's cache, which real runs add on top."""
-    state = model_state_bytes(model, plan.layout, processes)
-    activations = saved_activation_bytes(model, plan, processes)
+    """``layout_memory`` of the plan on ``processes`` devices."""
+    return layout_memory(model, plan.on(processes))
+
+
+def layout_memory(model: GPTWorkload, layout: Layout) -> dict[str, float]:
+    """Bytes per device: ``"state"`` (``model_state_bytes``' rule), ``"activations"``
+    (saved for backward, at the peak) and their ``"total"``. Left out:
+    temporaries, the gradients in flight, the parameters FSDP gathers, the
+    logits and the allocator's cache, which real runs add on top."""
+    state = _state_bytes(model, layout)
+    activations = _activation_bytes(model, layout)
     return {"state": state, "activations": activations, "total": state + activations}

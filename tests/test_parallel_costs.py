@@ -21,10 +21,15 @@ from companion.harness.notebook import CourseError
 from companion.parallel_costs import (
     DeviceAndLink,
     GPTWorkload,
+    Layout,
     Plan,
     bubble_fraction,
+    layout_costs,
+    layout_memory,
+    layouts,
     memory_bytes,
     model_state_bytes,
+    node_links,
     replay_schedule,
     ring_all_reduce_seconds,
     saved_activation_bytes,
@@ -300,3 +305,71 @@ def test_the_checks_can_import_the_formulas_without_matplotlib() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_a_plan_is_the_layout_of_one_degree() -> None:
+    model = GPTWorkload(n_layer=4, n_embd=64, seq_len=32, batch_size=8)
+    hw = DeviceAndLink("link", flops=1e9, bandwidth=1e8, latency=1e-5)
+    for kind, degree in (("data", "data"), ("fsdp", "shard"), ("tensor", "tensor")):
+        plan = Plan(kind, 2, recompute=True)
+        assert plan.on(4) == Layout(**{degree: 4}, microbatches=2, recompute=True)
+        assert step_costs(model, hw, plan, 4) == layout_costs(model, hw, plan.on(4))
+        assert memory_bytes(model, plan, 4) == layout_memory(model, plan.on(4))
+
+
+def test_hsdp_is_fsdp_within_a_replica_and_an_all_reduce_of_the_shard_across() -> None:
+    model = GPTWorkload(n_layer=4, n_embd=64, seq_len=32, batch_size=8)
+    near = DeviceAndLink("node", flops=1e9, bandwidth=1e9, latency=1e-6)
+    far = DeviceAndLink("cluster", flops=1e9, bandwidth=1e7, latency=1e-4)
+    hsdp = Layout(data=2, shard=4)
+    costs = layout_costs(model, near, hsdp, links={"data": far})
+    fsdp = layout_costs(model, near, Layout(shard=4))["communication"]
+    shard = model.parameters * model.grad_bytes / 4
+    across = 2 * (shard / 2 / far.bandwidth + far.latency)  # a ring of 2
+    assert costs["communication"] == pytest.approx(fsdp + across)
+    assert costs["compute"] == pytest.approx(model.step_flops / near.flops / 8)
+    assert layout_memory(model, hsdp)["state"] == model.parameters * 16 / 4
+    # Each replica's devices hold an eighth of the batch, as 8 data replicas do.
+    assert (
+        layout_memory(model, hsdp)["activations"]
+        == (layout_memory(model, Layout(data=8))["activations"])
+    )
+
+
+def test_tensor_within_data_parallel_sends_each_replicas_micro_batch() -> None:
+    """Tensor parallelism over 2 inside 2 replicas: its all-reduces carry a
+    quarter of the batch's activations when k = 2, in every block; the
+    replicas all-reduce the half of the gradients each device keeps."""
+    model = GPTWorkload(n_layer=4, n_embd=64, seq_len=32, batch_size=8)
+    hw = DeviceAndLink("link", flops=1e9, bandwidth=1e8, latency=0.0)
+    costs = layout_costs(model, hw, Layout(data=2, tensor=2, microbatches=2))
+    part = model.activation_bytes / 4
+    tensor = 2 * 4 * model.n_layer * ring_all_reduce_seconds(part, 2, hw)
+    data = ring_all_reduce_seconds(model.parameters * model.grad_bytes / 2, 2, hw)
+    assert costs["communication"] == pytest.approx(tensor + data)
+
+
+def test_layouts_lists_every_split_once() -> None:
+    found = layouts(4, microbatches=(1, 2), recompute=(False, True))
+    assert len(found) == 10 * 4 == len(set(found))  # 10 ways to split 4 over 4
+    assert all(layout.devices == 4 for layout in found)
+    assert Layout(shard=2, tensor=2, microbatches=2, recompute=True) in found
+    assert str(Layout(shard=2, tensor=2, microbatches=2, recompute=True)) == (
+        "shard 2 x tensor 2, k = 2, recompute"
+    )
+    assert str(Layout(pipeline=4, microbatches=8)) == "pipeline 4, m = 8"
+    with pytest.raises(CourseError, match="at least 1, not 0, 1, 1, 1 and 1"):
+        Layout(data=0)
+
+
+def test_node_links_keep_the_inner_degrees_inside_a_node() -> None:
+    inside, across = (DeviceAndLink(n, 1.0, 1.0, 0.0) for n in ("in", "out"))
+    links = node_links(Layout(data=2, shard=4, tensor=2), 8, inside, across)
+    assert {d: link.name for d, link in links.items()} == {
+        "tensor": "in",
+        "shard": "in",
+        "data": "out",
+        "pipeline": "out",
+    }
+    links = node_links(Layout(shard=8, tensor=2), 8, inside, across)
+    assert (links["tensor"].name, links["shard"].name) == ("in", "out")
