@@ -32,7 +32,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from companion.harness.notebook import CourseError
 
@@ -42,6 +42,7 @@ __all__ = [
     "Layout",
     "Plan",
     "bubble_fraction",
+    "compare_layouts",
     "layout_costs",
     "layout_memory",
     "layouts",
@@ -162,8 +163,10 @@ class GPTWorkload:
     activation (2 in bfloat16 mixed precision); ``grad_bytes`` the size of a
     gradient as data parallelism reduces it (4: float32, as FSDP2's
     ``reduce_dtype=torch.float32`` and Megatron-LM's float32 gradients do).
-    ``n_head`` matters only for fused attention's log-sum-exp, one per head
-    and position.
+    ``n_head`` matters only for the attention's saved activations: fused
+    attention's log-sum-exp, one per head and position, or without
+    ``fused_attention`` the softmax's T x T output per head (the course
+    GPT's written-out attention).
     """
 
     n_layer: int
@@ -173,6 +176,7 @@ class GPTWorkload:
     dtype_bytes: int = 4
     n_head: int = 1
     grad_bytes: int = 4
+    fused_attention: bool = True
 
     @property
     def parameters(self) -> int:
@@ -246,14 +250,16 @@ class Plan:
 
 @dataclass(frozen=True)
 class Layout:
-    """Devices as a mesh of four degrees, N their product (torchtitan's order,
-    outermost first: its pipeline, replicate, shard and tensor dimensions).
+    """Devices as a mesh of four degrees, N their product. On the devices they
+    lie in torchtitan's order, outermost first: pipeline, data (its
+    "replicate"), shard, tensor (``node_links``).
 
     ``data`` replicas all-reduce their gradients once per step; each replica
     is sharded ``shard`` ways (FSDP, ZeRO-3: with ``data`` > 1 that is HSDP)
-    and holds the batch's ``data * shard``-th part; ``tensor`` devices split
-    every block's products (Megatron-LM); ``pipeline`` stages hold L /
-    ``pipeline`` blocks each. ``microbatches``, ``recompute``,
+    and holds 1 / ``data`` of the batch, each of its ``data * shard``
+    groups of ``tensor * pipeline`` devices a different part; ``tensor``
+    devices split every block's products (Megatron-LM); ``pipeline`` stages
+    hold L / ``pipeline`` blocks each. ``microbatches``, ``recompute``,
     ``sequence_parallel`` and ``overlap`` are a ``Plan``'s.
     """
 
@@ -273,14 +279,20 @@ class Layout:
                 "a layout's degrees and micro-batches must be at least 1, not "
                 f"{', '.join(map(str, degrees))} and {self.microbatches}."
             )
+        if self.sequence_parallel and self.tensor == 1:
+            raise CourseError(
+                "sequence parallelism splits tensor parallelism's LayerNorms; a "
+                "layout without tensor parallelism has none to split."
+            )
 
     @property
     def devices(self) -> int:
+        """N, the product of the degrees."""
         return self.data * self.shard * self.tensor * self.pipeline
 
     @property
     def batch_split(self) -> int:
-        """Devices that hold different sequences of the batch."""
+        """Groups of devices that hold different sequences of the batch."""
         return self.data * self.shard
 
     def __str__(self) -> str:
@@ -321,26 +333,40 @@ def node_links(
     """The link of each degree's collectives when the devices fill nodes of
     ``per_node`` in the mesh's order (tensor innermost, then shard, data and
     pipeline): a degree's groups stay ``inside`` a node when they and the
-    degrees within them span at most ``per_node`` devices."""
-    links, span = {}, 1
+    degrees within them span at most ``per_node`` devices. A group that
+    crosses nodes with g of its devices in each node leaves every node
+    through g network links at once (one per device, as nccl's rings use
+    them): ``across``'s bandwidth times g, at most ``inside``'s."""
+    links, inner = {}, 1
     for degree in ("tensor", "shard", "data", "pipeline"):  # inner to outer
-        span *= getattr(layout, degree)
-        links[degree] = inside if span <= per_node else across
+        span = inner * getattr(layout, degree)
+        if span <= per_node:
+            links[degree] = inside
+        else:
+            per_node_members = max(1, per_node // inner)
+            bandwidth = min(inside.bandwidth, per_node_members * across.bandwidth)
+            links[degree] = replace(across, bandwidth=bandwidth)
+        inner = span
     return links
 
 
-def ring_all_reduce_seconds(nbytes: float, processes: int, hw: DeviceAndLink) -> float:
-    """A ring all-reduce: each device sends 2 (N - 1) / N of the bytes in 2 (N - 1) messages."""
-    return 2 * ring_half_seconds(nbytes, processes, hw)
+def ring_all_reduce_seconds(
+    nbytes: float, processes: int, hw: DeviceAndLink, calls: float = 1
+) -> float:
+    """A ring all-reduce: each device sends 2 (N - 1) / N of the bytes in 2 (N - 1)
+    messages (``nbytes`` in ``calls`` collectives: as many times the latency)."""
+    return 2 * ring_half_seconds(nbytes, processes, hw, calls)
 
 
-def ring_half_seconds(nbytes: float, processes: int, hw: DeviceAndLink) -> float:
+def ring_half_seconds(
+    nbytes: float, processes: int, hw: DeviceAndLink, calls: float = 1
+) -> float:
     """A ring all-gather or reduce-scatter of ``nbytes`` (the whole, gathered
-    tensor): each device sends (N - 1) / N of them in N - 1 messages."""
+    tensor): each device sends (N - 1) / N of them in N - 1 messages per call."""
     if processes == 1:
         return 0.0
     steps = processes - 1
-    return steps / processes * nbytes / hw.bandwidth + steps * hw.latency
+    return steps / processes * nbytes / hw.bandwidth + calls * steps * hw.latency
 
 
 def _sequences_per_part(model: GPTWorkload, layout: Layout) -> float:
@@ -405,8 +431,12 @@ def layout_costs(
     Per device: 1/N of the step's FLOPs. Per micro-batch, within its shard
     group, FSDP's two all-gathers of this device's blocks' parameters (those
     its tensor and pipeline degrees leave it) and a reduce-scatter of their
-    gradients; once per step, across the replicas, an all-reduce of the
-    gradients it keeps (a shard's, with ``shard`` > 1: HSDP). Tensor
+    gradients, in a call per unit (each of its L / ``pipeline`` blocks, and
+    the rest, gathered once: 2 L / p + 1 all-gathers and L / p + 1
+    reduce-scatters, each paying the latency); once per step, across the
+    replicas, an all-reduce of the gradients it keeps (a shard's, with
+    ``shard`` > 1, in a call per unit: HSDP, with FSDP2's
+    ``set_requires_all_reduce(False)`` until the last micro-batch). Tensor
     parallelism's all-reduces carry one micro-batch of this device's
     sequences, in its L / ``pipeline`` blocks; a pipeline sends the same
     activations across its boundaries. ``overlap`` hides only the first two
@@ -419,18 +449,30 @@ def layout_costs(
     held = model.parameters / (layout.tensor * layout.pipeline)
     weights, gradients = held * model.dtype_bytes, held * model.grad_bytes
     hideable = exposed = bubble = 0.0
+    # FSDP2 as the course applies it: a unit per block and one for the rest,
+    # whose parameters stay gathered from forward to backward: per
+    # micro-batch 2 L / p + 1 all-gathers and L / p + 1 reduce-scatters.
+    # Under a pipeline, as torchtitan and torch's PipelineStage run it, each
+    # unit stays gathered through the step's micro-batches and reduce-scatters
+    # after the last: one all-gather and one reduce-scatter per unit and step.
+    blocks = model.n_layer / layout.pipeline
+    units = blocks + 1
     if layout.shard > 1:
-        hideable += k * (
-            2 * ring_half_seconds(weights, layout.shard, link["shard"])
-            + ring_half_seconds(gradients, layout.shard, link["shard"])
-        )
+        s, shard = layout.shard, link["shard"]
+        if layout.pipeline > 1:
+            hideable += ring_half_seconds(weights, s, shard, calls=units)
+            hideable += ring_half_seconds(gradients, s, shard, calls=units)
+        else:
+            hideable += k * (
+                2 * ring_half_seconds(weights, s, shard, calls=(2 * blocks + 1) / 2)
+                + ring_half_seconds(gradients, s, shard, calls=units)
+            )
     if layout.data > 1:
-        kept = gradients / layout.shard
-        hideable += ring_all_reduce_seconds(kept, layout.data, link["data"])
+        kept, calls = gradients / layout.shard, units if layout.shard > 1 else 1
+        hideable += ring_all_reduce_seconds(kept, layout.data, link["data"], calls)
     part = model.activation_bytes / (layout.batch_split * k)  # a micro-batch's
     if layout.tensor > 1:
         per_block = 6 if layout.recompute else 4
-        blocks = model.n_layer / layout.pipeline
         exposed += (
             k
             * per_block
@@ -463,9 +505,9 @@ def model_state_bytes(model: GPTWorkload, layout: str, processes: int) -> float:
     it all-reduces in ``model.grad_bytes``, and Adam's two float32 moments
     (8), plus float32 master weights (4) when the weights are narrower:
     2 + 4 + 12 = 18 bytes per parameter in bfloat16 mixed precision with
-    float32 gradients (as Megatron-LM keeps them), 16 in float32. FSDP2's
-    shards hold 16 (float32 weights, gradients and moments), and so, in this
-    model, does every layout that splits the blocks.
+    float32 gradients (as Megatron-LM keeps them), 16 in float32; tensor and
+    pipeline parallelism keep the same bytes of 1/N of the parameters. FSDP2's
+    shards hold 16 (float32 weights, gradients and moments) of 1/N of them.
     """
     if layout not in LAYOUTS:
         raise CourseError(
@@ -476,13 +518,14 @@ def model_state_bytes(model: GPTWorkload, layout: str, processes: int) -> float:
 
 def _state_bytes(model: GPTWorkload, layout: Layout) -> float:
     """``model_state_bytes`` of a layout: its blocks' share, 16 bytes per
-    parameter where anything splits the blocks, else data parallelism's."""
+    parameter in FSDP's shards, else data parallelism's bytes per parameter
+    (of the slice its tensor and pipeline degrees leave it)."""
     split = layout.shard * layout.tensor * layout.pipeline
-    if split > 1:
+    if layout.shard > 1:
         return model.parameters * 16 / split
     master = 4 if model.dtype_bytes < 4 else 0
     per_parameter = model.dtype_bytes + model.grad_bytes + master + 8
-    return model.parameters * per_parameter
+    return model.parameters * per_parameter / split
 
 
 def saved_activation_bytes(model: GPTWorkload, plan: Plan, processes: int) -> float:
@@ -492,8 +535,8 @@ def saved_activation_bytes(model: GPTWorkload, plan: Plan, processes: int) -> fl
 
 
 def _activation_bytes(model: GPTWorkload, layout: Layout) -> float:
-    """Chapter 12's count with fused attention, per position and block:
-    16 d + 4 + h elements of ``model.dtype_bytes``; under tensor parallelism
+    """Chapter 12's count, per position and block: 16 d + 4 + h elements of
+    ``model.dtype_bytes`` with fused attention (h T without it, and below); under tensor parallelism
     over t devices 4 d + 4 + (12 d + h)/t, with sequence parallelism
     2 d + (14 d + 4 + h)/t (chapter 13's formulas, as DTensor keeps them). A
     device holds one micro-batch of its share of the batch (1 / (data x
@@ -503,7 +546,8 @@ def _activation_bytes(model: GPTWorkload, layout: Layout) -> float:
     sequence parallelism), plus one block's full activations while the
     backward pass recomputes it.
     """
-    t, d, h = layout.tensor, model.n_embd, model.n_head
+    t, d = layout.tensor, model.n_embd
+    h = model.n_head * (1 if model.fused_attention else model.seq_len)
     positions = _sequences_per_part(model, layout) * model.seq_len
     blocks = model.n_layer / layout.pipeline
     in_flight = min(layout.microbatches, layout.pipeline)
@@ -532,3 +576,48 @@ def layout_memory(model: GPTWorkload, layout: Layout) -> dict[str, float]:
     state = _state_bytes(model, layout)
     activations = _activation_bytes(model, layout)
     return {"state": state, "activations": activations, "total": state + activations}
+
+
+def compare_layouts(runs: Mapping[str, Mapping], best: int = 3) -> dict:
+    """Predicted against measured for ``checks/layouts.py``'s runs.
+
+    Returns Spearman's rank correlation of the predicted and the measured step
+    times and its p-value (``"spearman"``, ``"p_value"``); the layouts
+    predicted fastest (``"predicted_best"``: all of them, when several tie),
+    the one the model picks (``"pick"``: of those tied, the one with the
+    fewest micro-batches and no recomputation, which the model charges
+    nothing for) and the ``best`` measured fastest (``"measured_best"``),
+    and whether the pick is among them (``"best_among"``); for each layout,
+    the measured step over the predicted one (``"time_ratio"``) and the
+    largest measured peak of live bytes over the predicted memory
+    (``"memory_ratio"``).
+    """
+    from scipy.stats import spearmanr  # the checks import this module without it
+
+    names = list(runs)
+    predicted = {n: runs[n]["predicted"]["step"]["total"] for n in names}
+    measured = {n: runs[n]["seconds"] for n in names}
+    fastest = min(predicted.values())
+    predicted_best = [n for n in names if predicted[n] <= fastest * (1 + 1e-9)]
+    pick = min(
+        predicted_best,
+        key=lambda n: (
+            runs[n]["layout"]["microbatches"],
+            runs[n]["layout"]["recompute"],
+        ),
+    )
+    measured_best = sorted(names, key=measured.get)[:best]
+    rho, p_value = spearmanr(list(predicted.values()), list(measured.values()))
+    return {
+        "spearman": float(rho),
+        "p_value": float(p_value),
+        "predicted_best": predicted_best,
+        "pick": pick,
+        "measured_best": measured_best,
+        "best_among": pick in measured_best,
+        "time_ratio": {n: measured[n] / predicted[n] for n in names},
+        "memory_ratio": {
+            n: max(runs[n]["peak_bytes"]) / runs[n]["predicted"]["memory"]["total"]
+            for n in names
+        },
+    }

@@ -7,9 +7,11 @@
 - ``plot_pipeline_timeline``: the forward and backward passes each process
   ran in one pipeline step (as ``companion/checks/pipeline.py`` records them,
   or as ``companion.parallel_costs.replay_schedule`` re-times them);
-- ``plot_step_costs``: the cost model's step time against the link's bandwidth.
+- ``plot_step_costs``: the cost model's step time against the link's bandwidth;
+- ``plot_predicted_layouts``: predicted against measured step times and
+  memory, one point per layout (``companion/checks/layouts.py``'s runs).
 
-Used in chapter 13.
+Used in chapters 13 and 17.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
+from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
 from companion.harness.plotting import new_axes
 from companion.parallel_costs import DeviceAndLink, GPTWorkload, Plan, step_costs
@@ -27,6 +30,7 @@ from companion.parallel_costs import DeviceAndLink, GPTWorkload, Plan, step_cost
 __all__ = [
     "pass_legend",
     "plot_pipeline_timeline",
+    "plot_predicted_layouts",
     "plot_sequence_parallel",
     "plot_step_costs",
     "plot_tensor_parallel_mlp",
@@ -337,3 +341,42 @@ def plot_sequence_parallel() -> Figure:
     ax.set_xlim(-1.2, 4 * step_x + 0.9)
     ax.set_ylim(-0.7, 3.2)
     return fig
+
+
+# ---- layouts, predicted and measured
+
+
+def plot_predicted_layouts(runs: Mapping[str, Mapping]) -> Figure:
+    """Two panels, one point per layout of ``checks/layouts.py``'s ``runs``:
+    the step's predicted and measured milliseconds, and each process's
+    predicted memory against the largest measured peak (MiB), with the line
+    where they are equal. Points are numbered in the order of ``runs``."""
+    step, memory = new_axes(2, width=4.6, height=4.0)
+    pairs = {
+        step: [
+            (r["predicted"]["step"]["total"] * 1e3, r["seconds"] * 1e3)
+            for r in runs.values()
+        ],
+        memory: [
+            (r["predicted"]["memory"]["total"] / 2**20, max(r["peak_bytes"]) / 2**20)
+            for r in runs.values()
+        ],
+    }
+    for ax, points in pairs.items():
+        xs, ys = zip(*points)
+        low, high = 0.8 * min(xs + ys), 1.25 * max(xs + ys)
+        ax.plot([low, high], [low, high], color="0.6", lw=1, label="equal")
+        ax.scatter(xs, ys, s=18, zorder=3)
+        for i, (x, y) in enumerate(points, start=1):
+            ax.annotate(
+                str(i), (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7
+            )
+        ax.set(xscale="log", yscale="log", xlim=(low, high), ylim=(low, high))
+        for axis in (ax.xaxis, ax.yaxis):  # ticks at 1, 2 and 5 of each decade
+            axis.set_major_locator(LogLocator(subs=(1, 2, 5)))
+            axis.set_major_formatter(ScalarFormatter())
+            axis.set_minor_formatter(NullFormatter())
+    step.set(xlabel="predicted step (ms)", ylabel="measured step (ms)")
+    memory.set(xlabel="predicted memory (MiB)", ylabel="measured peak (MiB)")
+    step.legend(loc="upper left", fontsize=8)
+    return step.figure

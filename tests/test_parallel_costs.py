@@ -236,7 +236,12 @@ def test_fsdp_sends_one_and_a_half_all_reduces_and_overlap_hides_them() -> None:
     hw = DeviceAndLink("slow", flops=1e6, bandwidth=1000.0, latency=0.01)
     data = step_costs(model, hw, Plan("data"), 4)
     fsdp = step_costs(model, hw, Plan("fsdp"), 4)
-    assert fsdp["communication"] == pytest.approx(1.5 * data["communication"])
+    # The bytes of 1.5 all-reduces; the latency of a call per unit (2 blocks
+    # and the rest): 5 all-gathers and 3 reduce-scatters of 3 ring steps each.
+    latency = 3 * hw.latency
+    assert fsdp["communication"] - 8 * latency == pytest.approx(
+        1.5 * (data["communication"] - 2 * latency)
+    )
     hidden = step_costs(model, hw, Plan("fsdp", overlap=True), 4)
     assert hidden["total"] == pytest.approx(max(fsdp["compute"], fsdp["communication"]))
     # Tensor parallelism's all-reduces cannot hide: overlap changes nothing.
@@ -325,7 +330,8 @@ def test_hsdp_is_fsdp_within_a_replica_and_an_all_reduce_of_the_shard_across() -
     costs = layout_costs(model, near, hsdp, links={"data": far})
     fsdp = layout_costs(model, near, Layout(shard=4))["communication"]
     shard = model.parameters * model.grad_bytes / 4
-    across = 2 * (shard / 2 / far.bandwidth + far.latency)  # a ring of 2
+    units = model.n_layer + 1  # an all-reduce per unit, on a ring of 2
+    across = 2 * (shard / 2 / far.bandwidth + units * far.latency)
     assert costs["communication"] == pytest.approx(fsdp + across)
     assert costs["compute"] == pytest.approx(model.step_flops / near.flops / 8)
     assert layout_memory(model, hsdp)["state"] == model.parameters * 16 / 4
@@ -373,3 +379,37 @@ def test_node_links_keep_the_inner_degrees_inside_a_node() -> None:
     }
     links = node_links(Layout(shard=8, tensor=2), 8, inside, across)
     assert (links["tensor"].name, links["shard"].name) == ("in", "out")
+
+
+def test_a_group_across_nodes_leaves_each_node_through_all_its_devices() -> None:
+    inside = DeviceAndLink("in", 1.0, bandwidth=300.0, latency=0.0)
+    across = DeviceAndLink("out", 1.0, bandwidth=25.0, latency=1.0)
+    # FSDP over 64 on nodes of 8: 8 devices of a group in each node.
+    assert node_links(Layout(shard=64), 8, inside, across)["shard"].bandwidth == 200.0
+    # Inside tensor parallelism over 2: 4 devices of each shard group per node.
+    links = node_links(Layout(shard=32, tensor=2), 8, inside, across)
+    assert links["shard"].bandwidth == 100.0 and links["shard"].latency == 1.0
+    # HSDP across 8 nodes: one device of each replica group per node.
+    assert node_links(Layout(data=8, shard=8), 8, inside, across)["data"] == across
+
+
+def test_fsdp_under_a_pipeline_gathers_and_reduces_once_per_step() -> None:
+    """The units stay gathered through the micro-batches (torchtitan's
+    reshard_after_forward=False) and reduce-scatter after the last."""
+    model = GPTWorkload(n_layer=4, n_embd=64, seq_len=32, batch_size=16)
+    hw = DeviceAndLink("link", flops=1e9, bandwidth=1e8, latency=1e-4)
+    costs = {
+        m: layout_costs(model, hw, Layout(shard=2, pipeline=2, microbatches=m))
+        for m in (2, 8)
+    }
+    held = model.parameters * 4 / 2  # a stage's blocks, float32
+    units = 2 + 1  # a stage's 2 blocks and the rest
+    shard = 2 * (held / 2 / hw.bandwidth + units * hw.latency)  # gather, reduce
+    for m, c in costs.items():
+        messages = 2 * (model.activation_bytes / (2 * m) / hw.bandwidth + hw.latency)
+        assert c["communication"] == pytest.approx(shard + messages)
+
+
+def test_sequence_parallelism_needs_tensor_parallelism() -> None:
+    with pytest.raises(CourseError, match="has none to split"):
+        Layout(data=2, sequence_parallel=True)

@@ -412,12 +412,7 @@ def test_a_checkpoints_sizes_cannot_change(two, monkeypatch, capsys) -> None:
             "--replicate 3 does not divide the 4 processes into equal replicas; "
             "give a divisor of the process count.",
         ),
-        (
-            ["--replicate", "0"],
-            2,
-            "--replicate 0 does not divide the 2 processes into equal replicas; "
-            "give a divisor of the process count.",
-        ),
+        (["--replicate", "0"], 2, "--replicate must be at least 1, not 0."),
     ],
 )
 def test_bad_input_is_one_sentence(
@@ -478,8 +473,9 @@ def test_one_two_and_four_processes_train_alike_with_either_resharding() -> None
 def test_hsdp_on_four_processes_meets_its_formulas_and_resumes_as_fsdp(
     tmp_path,
 ) -> None:
-    """2 replicas of 2 shards: the check's formulas and losses, replicas that
-    hold the same shards, and a checkpoint that plain FSDP on 2 resumes."""
+    """2 replicas of 2 shards: the check's formulas and losses, each replica's
+    ranks holding FSDP-over-2's bytes, and a checkpoint that plain FSDP on 2
+    resumes."""
     ckpt = tmp_path / "ckpt"
     out = launch(
         CHECK,

@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import init_device_mesh
+from torch.distributed.tensor import DeviceMesh, init_device_mesh
 
 from distributed_setup import fail, launched, setup_distributed, where_it_ran
 from gpt_model import (
@@ -85,9 +85,9 @@ def local_slice(t: torch.Tensor) -> torch.Tensor:
 # ---- parallelise: FSDP2, one unit per block and one for the rest
 
 
-def fsdp_mesh(device_type: str, world_size: int, replicate: int = 1):
+def fsdp_mesh(device_type: str, world_size: int, replicate: int = 1) -> DeviceMesh:
     """FSDP2's mesh: one row of processes, or for HSDP ``replicate`` rows (the
-    replicas); process r holds shard r % columns of replica r // columns."""
+    replicas) of S processes; process r holds shard r % S of replica r // S."""
     if replicate == 1:
         return init_device_mesh(device_type, (world_size,))
     shape = (replicate, world_size // replicate)
@@ -328,7 +328,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"--batch-size {args.batch_size} does not split evenly over {world_size} "
             f"processes; use a multiple of {world_size}."
         )
-    if args.replicate < 1 or world_size % args.replicate:
+    if args.replicate < 1:
+        fail(f"--replicate must be at least 1, not {args.replicate}.")
+    if world_size % args.replicate:
         fail(
             f"--replicate {args.replicate} does not divide the {world_size} "
             "processes into equal replicas; give a divisor of the process count."
