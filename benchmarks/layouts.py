@@ -2,10 +2,11 @@
 
     python benchmarks/layouts.py                       # 17 layouts on 4 processes
     python benchmarks/layouts.py --steps 10 --n-embd 256
-    python benchmarks/layouts.py --processes 8         # on 8 GPUs, or 8 CPU processes
+    python benchmarks/layouts.py --processes 8 --n-head 8 --n-layer 8 --batch-size 32
 
 It launches ``companion/checks/layouts.py`` with ``--layouts full`` (the
-chapter's twelve, and more micro-batch counts and recomputation), prints
+chapter's twelve, and more micro-batch counts and recomputation; those the
+sizes cannot split are left out, named), prints
 each layout's predicted and measured step and memory, and the comparison the
 chapter judges: the rank correlation of the two orders, the model's pick
 against the three fastest measured, the memory ratios. The exit status is 0
@@ -28,6 +29,7 @@ def parse_args() -> argparse.Namespace:
     add("--processes", type=int, default=4)  # 4 or more, even
     add("--steps", type=int, default=5)  # timed steps per layout
     add("--n-layer", type=int, default=4)
+    add("--n-head", type=int, default=4)
     add("--n-embd", type=int, default=128)
     add("--batch-size", type=int, default=16)
     add("--seq-len", type=int, default=64)
@@ -39,7 +41,7 @@ def main() -> None:
     if args.processes < 4 or args.processes % 2:
         sys.exit("--processes must be an even number, at least 4.")
     flags = ["--layouts", "full", "--steps", str(args.steps)]
-    for flag in ("n_layer", "n_embd", "batch_size", "seq_len"):
+    for flag in ("n_layer", "n_head", "n_embd", "batch_size", "seq_len"):
         flags += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     measured = launch(
         "checks/layouts.py",

@@ -24,7 +24,7 @@ are in ``companion.parallel_plots``):
   its formulas leave out (temporaries, gathered parameters, the logits),
   which is where its predictions and a measurement part.
 
-Used in chapter 13.
+Used in chapters 13 and 17.
 """
 
 from __future__ import annotations
@@ -333,17 +333,18 @@ def node_links(
     """The link of each degree's collectives when the devices fill nodes of
     ``per_node`` in the mesh's order (tensor innermost, then shard, data and
     pipeline): a degree's groups stay ``inside`` a node when they and the
-    degrees within them span at most ``per_node`` devices. A group that
-    crosses nodes with g of its devices in each node leaves every node
-    through g network links at once (one per device, as nccl's rings use
-    them): ``across``'s bandwidth times g, at most ``inside``'s."""
+    degrees within them span at most ``per_node`` devices. A collective
+    group that crosses nodes with g of its devices in each node leaves every
+    node through g network links at once (one per device, as nccl's rings
+    use them): ``across``'s bandwidth times g, at most ``inside``'s. A
+    pipeline's messages go from one device to its peer, over one link."""
     links, inner = {}, 1
     for degree in ("tensor", "shard", "data", "pipeline"):  # inner to outer
         span = inner * getattr(layout, degree)
         if span <= per_node:
             links[degree] = inside
         else:
-            per_node_members = max(1, per_node // inner)
+            per_node_members = 1 if degree == "pipeline" else max(1, per_node // inner)
             bandwidth = min(inside.bandwidth, per_node_members * across.bandwidth)
             links[degree] = replace(across, bandwidth=bandwidth)
         inner = span
@@ -519,10 +520,16 @@ def model_state_bytes(model: GPTWorkload, layout: str, processes: int) -> float:
 def _state_bytes(model: GPTWorkload, layout: Layout) -> float:
     """``model_state_bytes`` of a layout: its blocks' share, 16 bytes per
     parameter in FSDP's shards, else data parallelism's bytes per parameter
-    (of the slice its tensor and pipeline degrees leave it)."""
+    (of the slice its tensor and pipeline degrees leave it). FSDP under a
+    pipeline keeps its stage's parameters gathered and their gradients whole
+    through the step (``layout_costs``): those bytes too."""
     split = layout.shard * layout.tensor * layout.pipeline
     if layout.shard > 1:
-        return model.parameters * 16 / split
+        sharded = model.parameters * 16 / split
+        if layout.pipeline == 1:
+            return sharded
+        held = model.parameters / (layout.tensor * layout.pipeline)
+        return sharded + held * (model.dtype_bytes + model.grad_bytes)
     master = 4 if model.dtype_bytes < 4 else 0
     per_parameter = model.dtype_bytes + model.grad_bytes + master + 8
     return model.parameters * per_parameter / split
@@ -585,9 +592,11 @@ def compare_layouts(runs: Mapping[str, Mapping], best: int = 3) -> dict:
     times and its p-value (``"spearman"``, ``"p_value"``); the layouts
     predicted fastest (``"predicted_best"``: all of them, when several tie),
     the one the model picks (``"pick"``: of those tied, the one with the
-    fewest micro-batches and no recomputation, which the model charges
-    nothing for) and the ``best`` measured fastest (``"measured_best"``),
-    and whether the pick is among them (``"best_among"``); for each layout,
+    fewest micro-batches, whose number the model does not charge for, then
+    without recomputation) and the ``best`` measured fastest
+    (``"measured_best"``),
+    and whether the pick is among them (``"best_among"``), and its measured
+    step over the fastest measured one (``"pick_over_fastest"``); for each layout,
     the measured step over the predicted one (``"time_ratio"``) and the
     largest measured peak of live bytes over the predicted memory
     (``"memory_ratio"``).
@@ -615,6 +624,7 @@ def compare_layouts(runs: Mapping[str, Mapping], best: int = 3) -> dict:
         "pick": pick,
         "measured_best": measured_best,
         "best_among": pick in measured_best,
+        "pick_over_fastest": measured[pick] / min(measured.values()),
         "time_ratio": {n: measured[n] / predicted[n] for n in names},
         "memory_ratio": {
             n: max(runs[n]["peak_bytes"]) / runs[n]["predicted"]["memory"]["total"]

@@ -413,3 +413,23 @@ def test_fsdp_under_a_pipeline_gathers_and_reduces_once_per_step() -> None:
 def test_sequence_parallelism_needs_tensor_parallelism() -> None:
     with pytest.raises(CourseError, match="has none to split"):
         Layout(data=2, sequence_parallel=True)
+
+
+def test_state_of_split_blocks_without_fsdp_is_data_parallel_bytes() -> None:
+    """In bfloat16 with float32 gradients: 18 bytes per parameter of the slice
+    for tensor or pipeline parallelism, 16 for FSDP's float32 shards, and
+    under a pipeline FSDP's gathered weights and whole gradients besides."""
+    model = GPTWorkload(n_layer=4, n_embd=64, seq_len=32, batch_size=8, dtype_bytes=2)
+    p = model.parameters
+    assert layout_memory(model, Layout(tensor=4))["state"] == p * 18 / 4
+    assert layout_memory(model, Layout(pipeline=2, data=2))["state"] == p * 18 / 2
+    assert layout_memory(model, Layout(shard=4))["state"] == p * 16 / 4
+    fsdp_pipe = Layout(shard=2, pipeline=2, microbatches=2)
+    assert layout_memory(model, fsdp_pipe)["state"] == p * 16 / 4 + p / 2 * (2 + 4)
+
+
+def test_a_pipeline_sends_across_nodes_over_one_card() -> None:
+    inside = DeviceAndLink("in", 1.0, bandwidth=300.0, latency=0.0)
+    across = DeviceAndLink("out", 1.0, bandwidth=25.0, latency=1.0)
+    links = node_links(Layout(shard=2, pipeline=32), 8, inside, across)
+    assert links["pipeline"].bandwidth == 25.0 and links["shard"] == inside

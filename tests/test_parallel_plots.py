@@ -96,3 +96,30 @@ def test_the_cost_figure_draws_one_line_per_plan() -> None:
     assert lines[1].get_linestyle() == "--"
     assert list(lines[0].get_xdata()) == [1.0, 10.0, 100.0]
     assert ax.get_xscale() == "log" and "a link" in [t.get_text() for t in ax.texts]
+
+
+def test_layout_labels_of_close_points_do_not_overlap() -> None:
+    """Two layouts with the same prediction and nearly the same measurement
+    (chapter 17's 8 and 11 in memory) get labels one above the other."""
+    import matplotlib.pyplot as plt
+
+    from companion.parallel_plots import plot_predicted_layouts
+
+    def run(step: float, memory: float, peak: float) -> dict:
+        predicted = {"step": {"total": step}, "memory": {"total": memory * 2**20}}
+        return {
+            "predicted": predicted,
+            "seconds": 2 * step,
+            "peak_bytes": [peak * 2**20],
+        }
+
+    runs = {
+        "a": run(0.01, 15.0, 16.15),
+        "b": run(0.02, 15.0, 16.11),
+        "c": run(0.03, 8, 9),
+    }
+    fig = plot_predicted_layouts(runs)
+    memory = fig.axes[1]
+    offsets = {t.get_text(): t.xyann for t in memory.texts}
+    assert offsets["1"] != offsets["2"] and offsets["1"] == offsets["3"]
+    plt.close(fig)

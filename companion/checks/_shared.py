@@ -8,7 +8,7 @@ that waits for the device, the processes' records gathered, marks on the
 device's own timeline that time a step's parts without waiting for the
 device inside it (``DeviceClock``), and one ending
 for all of them (rank 0's results file, and exit code 3 with one sentence
-when a check missed). Used in chapters 12 and 13.
+when a check missed). Used in chapters 12, 13 and 17.
 """
 
 from __future__ import annotations
