@@ -51,8 +51,14 @@ def test_compare_layouts_ranks_picks_and_breaks_ties_by_the_simpler_layout() -> 
     assert verdict["spearman"] == pytest.approx(0.872, abs=1e-3)
     assert verdict["time_ratio"]["shard 4"] == pytest.approx(1.5)
     assert verdict["memory_ratio"]["shard 4"] == pytest.approx(1.5)
+    assert verdict["shortlist"] == ["data 4", "data 4, k = 2"]
+    assert verdict["shortlist_over_fastest"] == 1.0
     runs["data 4"]["seconds"] = 9.0  # now the pick is the slowest
-    assert not compare_layouts(runs, best=2)["best_among"]
+    verdict = compare_layouts(runs, best=2)
+    assert not verdict["best_among"] and verdict["shortlist_over_fastest"] == 1.0
+    runs["data 4, k = 2"]["seconds"] = 8.0  # and the whole shortlist slow
+    verdict = compare_layouts(runs, best=2)
+    assert verdict["shortlist_over_fastest"] == pytest.approx(8.0 / 2.0)
 
 
 @pytest.mark.slow
