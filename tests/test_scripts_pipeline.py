@@ -123,27 +123,33 @@ def test_the_interleaved_formula(p, m, expected) -> None:
 
 
 @pytest.mark.parametrize("p", [2, 4])
-def test_the_v_shaped_formulas(p) -> None:
-    """Counted on torch 2.13 and 2.14 from the check's timelines (2 and 4
-    processes): stage passes in flight, the same on every process."""
+def test_the_zero_bubble_formulas(p) -> None:
+    """Counted from the check's timelines (2 and 4 processes; ZB1P on torch
+    2.10 and 2.14, the V-shaped ones on 2.13 and 2.14): stage passes in
+    flight, the same on every process."""
+    assert check.in_flight_formula("zb1p", p, p) == [2 * p] * p
+    assert check.in_flight_formula("zb1p", p, 4 * p) == [2 * p] * p
     assert check.in_flight_formula("zbv", p, 2 * p) == [2 * p] * p
     assert check.in_flight_formula("dualpipev", p, 4 * p) == [2 * p + 1] * p
     assert [pipeline_gpt.stage_ids("zbv", r, p) for r in range(p)] == [
         [r, 2 * p - 1 - r] for r in range(p)
     ]
     assert pipeline_gpt.stage_ids("interleaved", 1, p) == [1, 1 + p]
+    assert pipeline_gpt.stage_ids("zb1p", 1, p) == [1, 1 + p]
 
 
 def torch_order(schedule: str, p: int, m: int) -> list[list[list]]:
-    """The passes torch's V-shaped schedule gives each of p processes, as the
-    check records them (one unit of time each, an overlapped pair in turn),
-    computed by the schedule's own planner without starting any process."""
+    """The passes torch's zero-bubble schedule gives each of p processes, as
+    the check records them (one unit of time each, an overlapped pair in
+    turn), computed by the schedule's own planner without starting any
+    process."""
     from torch.distributed.pipelining import schedules
 
     cls = pipeline_gpt.SCHEDULES[schedule]
-    plan = cls.__new__(cls)  # the planner needs only these four numbers
+    plan = cls.__new__(cls)  # the planners need only these numbers
     plan.pp_group_size, plan._n_microbatches, plan.num_stages = p, m, 2 * p
     plan.n_local_stages = 2
+    plan.microbatches_per_round = p  # ZB1P's, with m a multiple of p
     kind = {
         schedules.F: "F",
         schedules.B: "B",
@@ -169,12 +175,12 @@ def torch_order(schedule: str, p: int, m: int) -> list[list[list]]:
     return events
 
 
-@pytest.mark.parametrize("schedule", sorted(pipeline_gpt.V_SHAPED))
+@pytest.mark.parametrize("schedule", sorted(pipeline_gpt.ZERO_BUBBLE))
 @pytest.mark.parametrize("p", [2, 3, 4, 8])
-def test_torchs_own_v_orders_meet_the_formulas(schedule, p) -> None:
+def test_torchs_own_zero_bubble_orders_meet_the_formulas(schedule, p) -> None:
     """Chapter 13's formulas at more processes than it runs: torch's plans,
     replayed with equal passes, idle (p - 1)/(6m + p - 1) of the step, and hold
-    2p (ZBV) or 2p + 1 (DualPipeV) stage passes on every process."""
+    2p (ZB1P, ZBV) or 2p + 1 (DualPipeV) stage passes on every process."""
     for m in (2 * p, 4 * p):
         events = torch_order(schedule, p, m)
         assert timeline_bubble(replay_schedule(events)) == pytest.approx(
@@ -307,22 +313,24 @@ def test_the_v_shaped_schedules_are_refused_before_torch_2_13(
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    pipeline_gpt.torch_version() < (2, 13),
-    reason="the V-shaped schedules need torch 2.13 (the test above checks the refusal)",
-)
 def test_the_zero_bubble_schedules_train_as_one_process() -> None:
-    """ZBV and DualPipeV (V-shaped, backward split into input and weight
-    passes): the plain model's losses, every pass of every micro-batch on
-    every stage, and the activations of the formula."""
-    args = ["--schedules", "zbv,dualpipev", "--microbatches", "4", "--steps", "2"]
+    """ZB1P, ZBV and DualPipeV (backward passes split into input and weight
+    passes; the V-shaped two where torch is 2.13 or newer, the test above
+    checks the refusal elsewhere): the plain model's losses, every pass of
+    every micro-batch on every stage, and the activations of the formula."""
+    schedules = ["zb1p"]
+    if pipeline_gpt.torch_version() >= (2, 13):
+        schedules += sorted(pipeline_gpt.V_SHAPED)
+    args = ["--schedules", ",".join(schedules), "--microbatches", "4", "--steps", "2"]
     run = launch(CHECK, args, nproc=2)
     reference = plain_losses(2)
     for r in run["runs"]:
         assert r["losses"] == pytest.approx(reference, abs=TOL, rel=0)
         events = r["timeline"]["events"]
-        for rank, passes in enumerate(events):  # rank r holds stages r and 3 - r
-            assert {e[1] for e in passes} == {rank, 3 - rank}
+        for rank, passes in enumerate(events):
+            assert {e[1] for e in passes} == set(
+                pipeline_gpt.stage_ids(r["schedule"], rank, 2)
+            )
             forwards = sorted((e[1], e[2]) for e in passes if e[0] == "F")
             inputs = sorted((e[1], e[2]) for e in passes if e[0] in "BI")
             weights = sorted((e[1], e[2]) for e in passes if e[0] in "BW")
@@ -330,8 +338,8 @@ def test_the_zero_bubble_schedules_train_as_one_process() -> None:
             assert len(forwards) == 2 * 4
         assert any(e[0] == "W" for passes in events for e in passes)
         assert r["in_flight"] == r["in_flight_formula"]
-    assert all(run["checks"].values()) and len(run["checks"]) == 4
-    script = launch(NAME, ["--schedule", "zbv", *args[2:], *FLOAT64], nproc=2)
+    assert all(run["checks"].values()) and len(run["checks"]) == 2 * len(schedules)
+    script = launch(NAME, ["--schedule", "zb1p", *args[2:], *FLOAT64], nproc=2)
     assert script["losses"] == pytest.approx(reference, abs=TOL, rel=0)
 
 
@@ -438,6 +446,15 @@ def test_interleaved_counts_are_judged_without_bytes() -> None:
         ),
         (["--n-head", "3"], 1, "--n-embd 64 is not a multiple of --n-head 3."),
         (
+            ["--schedule", "zb1p", "--microbatches", "6", "--batch-size", "36"]
+            + ["--n-layer", "8"],
+            4,
+            (
+                "the zb1p schedule needs a multiple of 4 micro-batches (at least "
+                "one per process), not 6."
+            ),
+        ),
+        (
             ["--schedule", "zbv", "--microbatches", "2"],
             2,
             "the zbv schedule needs at least 4 micro-batches (one per stage), not 2.",
@@ -459,7 +476,8 @@ def test_bad_input_is_one_sentence(
     [
         (
             ["--schedules", "zb"],
-            "--schedules takes gpipe, 1f1b, interleaved, zbv, dualpipev, not 'zb'.",
+            "--schedules takes gpipe, 1f1b, interleaved, zb1p, zbv, dualpipev, not "
+            "'zb'.",
         ),
         (
             ["--microbatches", "two"],

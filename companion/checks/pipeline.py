@@ -18,17 +18,16 @@ model on the same batches, and measures:
   the step, from its common start to the last stage's end, that a process
   spends outside those passes (waiting, sending, receiving), averaged over
   the processes, against (p - 1) / (v m + p - 1), v the stages per process
-  (``companion.parallel_costs.bubble_fraction``); for the V-shaped
-  zero-bubble schedules, against their own order of passes replayed with
-  equal forward, input-gradient and weight-gradient passes
-  (``replay_schedule``). The first step exchanges
+  (``companion.parallel_costs.bubble_fraction``); for the zero-bubble
+  schedules, against their own order of passes replayed with equal forward,
+  input-gradient and weight-gradient passes (``replay_schedule``). The first step exchanges
   shapes and is not timed; the bubble reported is the median of the others;
 - the micro-batches in flight on each process (forward done, backward or,
   where it is split into an input-gradient pass I and a weight-gradient pass
   W, its W not yet), read from the timeline, against the schedule's formula:
   all m for GPipe, p - r on process r for 1F1B, (v - 1) p + 2 (p - 1 - r) + 1
-  stage passes for the interleaved schedule, 2p for ZBV and 2p + 1 for
-  DualPipeV on every process (``in_flight_formula``);
+  stage passes for the interleaved schedule, 2p for ZB1P and ZBV and 2p + 1
+  for DualPipeV on every process (``in_flight_formula``);
 - the activations each process keeps for backward
   (``companion.memory.SavedTensors``, live from a save until backward frees
   it): their peak over a step; with one stage per process also divided by
@@ -75,9 +74,11 @@ def in_flight_formula(schedule: str, p: int, m: int) -> list[int]:
     one more). Interleaved, counted per stage pass (a micro-batch in each of
     the process's v stages counts v times): the warm-up of torch's (and
     Megatron-LM's) schedule, (v - 1) p + 2 (p - 1 - r), and one more, at
-    most v m. The V-shaped schedules, per stage pass, with m >= 2p: 2p on
-    every process for ZBV (the activations of 1F1B's first process, spread
-    evenly), 2p + 1 for DualPipeV (measured on torch 2.13 and 2.14, 2 and 4
+    most v m. The zero-bubble schedules, per stage pass: 2p on every process
+    for ZB1P (m a multiple of p; its warm-up is (v - 1) p + p - 1 - r forward
+    passes, and process r delays its weight passes by r more) and for ZBV
+    (m >= 2p), the activations of 1F1B's first process on every process;
+    2p + 1 for DualPipeV (m >= 2p; measured on torch 2.13 and 2.14, 2 and 4
     processes; DeepSeek's DualPipe README gives PP + 1 for PP stages). A
     split backward pass releases a micro-batch when its weight pass ends.
     """
@@ -85,7 +86,7 @@ def in_flight_formula(schedule: str, p: int, m: int) -> list[int]:
         return [m] * p
     if schedule == "1f1b":
         return [min(m, p - r) for r in range(p)]
-    if schedule == "zbv":  # every process alike, as many as 1F1B's first
+    if schedule in ("zb1p", "zbv"):  # every process alike, as 1F1B's first
         return [2 * p] * p
     if schedule == "dualpipev":  # one more (its overlapped F and B)
         return [2 * p + 1] * p
@@ -221,11 +222,11 @@ def summarize(schedule: str, m: int, records: list[dict]) -> dict:
         "bubbles": bubbles,
         "bubble": statistics.median(bubbles[timed]),
         "work_seconds": statistics.median(work[timed]),  # per process, per step
-        # The V-shaped schedules have no closed form here: their own order of
-        # passes, replayed with equal forward, input and weight passes.
+        # The zero-bubble schedules have no closed form here: their own order
+        # of passes, replayed with equal forward, input and weight passes.
         "bubble_formula": (
             timeline_bubble(replay_schedule([r["events"] for r in records]))
-            if schedule in pipeline_gpt.V_SHAPED
+            if schedule in pipeline_gpt.ZERO_BUBBLE
             else bubble_fraction(p, m, pipeline_gpt.STAGES_PER_PROCESS[schedule])
         ),
         "timeline": {
@@ -310,7 +311,7 @@ def main() -> None:
         f"{args.seq_len}, {args.steps} steps per setting"
     )
     batches = pipeline_gpt.global_batches(args, device)
-    runs, V = [], pipeline_gpt.V_SHAPED
+    runs, split = [], pipeline_gpt.ZERO_BUBBLE
     for schedule, m in settings:
         run = summarize(
             schedule, m, every_rank(run_setting(schedule, m, args, batches, device))
@@ -320,7 +321,7 @@ def main() -> None:
         step = statistics.median(run["step_seconds"][1:] or run["step_seconds"])
         print0(  # ~: a measured fraction, which differs from run to run
             f"{schedule:<11} m = {m:<2}  step {step * 1e3:.1f} ms, bubble "
-            f"~{run['bubble']:.2f} ({'replayed' if schedule in V else 'formula'} "
+            f"~{run['bubble']:.2f} ({'replayed' if schedule in split else 'formula'} "
             f"{run['bubble_formula']:.2f}), "
             f"in flight per process {flight}"
         )

@@ -18,13 +18,15 @@ micro-batch's loss on the last stage, in the order of ``--schedule``: gpipe
 (all forward passes, then all backward passes), 1f1b (once the pipeline is
 full, one forward and one backward pass in turn, so that stage s holds at most
 p - s micro-batches), interleaved (1F1B with two stages per process: process
-r holds stages r and r + p), or the zero-bubble schedules zbv and dualpipev
-(two stages per process in a V: process r holds stages r and 2p - 1 - r;
-zbv splits every backward pass into the input's gradient, sent on at once,
-and the weights', which fills what would be idle time; dualpipev splits
-those of its warm-up and cool-down). The V-shaped schedules run on torch 2.13
-and 2.14; torch 2.10 fails in their first step, and 2.11 and 2.12 were not
-tried, so the script refuses them below 2.13.
+r holds stages r and r + p), or the zero-bubble schedules, which split
+backward passes into the input's gradient, sent on at once, and the
+weights', which fills what would be idle time: zb1p (interleaved's stages,
+every backward pass split), zbv and dualpipev (two stages per process in a
+V: process r holds stages r and 2p - 1 - r; zbv splits every backward pass,
+dualpipev those of its warm-up and cool-down). zb1p runs on torch 2.10 and
+2.14. The V-shaped schedules run on torch 2.13 and 2.14; torch 2.10 fails in
+their first step, and 2.11 and 2.12 were not tried, so the script refuses
+them below 2.13.
 companion/checks/pipeline.py times the passes and counts the activations each
 stage holds.
 
@@ -45,6 +47,7 @@ from torch.distributed.pipelining import (
     ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
 
@@ -65,15 +68,25 @@ SCHEDULES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
     "interleaved": ScheduleInterleaved1F1B,
+    "zb1p": ScheduleInterleavedZeroBubble,
     "zbv": ScheduleZBVZeroBubble,
     "dualpipev": ScheduleDualPipeV,
 }
-STAGES_PER_PROCESS = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zbv": 2, "dualpipev": 2}
+STAGES_PER_PROCESS = {
+    "gpipe": 1,
+    "1f1b": 1,
+    "interleaved": 2,
+    "zb1p": 2,
+    "zbv": 2,
+    "dualpipev": 2,
+}
 V_SHAPED = {"zbv", "dualpipev"}  # process r holds stages r and 2p - 1 - r
+ZERO_BUBBLE = {"zb1p", *V_SHAPED}  # backward passes split into input and weights
+LOOPED = {"interleaved", "zb1p"}  # process r holds stages r and r + p
 
 
 def stage_ids(schedule: str, rank: int, p: int) -> list[int]:
-    """The stages process ``rank`` of ``p`` holds: r (and r + p when interleaved,
+    """The stages process ``rank`` of ``p`` holds: r (and r + p when looped,
     2p - 1 - r when V-shaped, so that the first and last stages share a process)."""
     if schedule in V_SHAPED:
         return [rank, 2 * p - 1 - rank]
@@ -221,7 +234,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "sends to itself between the V's two stages (2.13 and 2.14 ran it; 2.11 "
             "and 2.12 were not tried)."
         )
-    if args.schedule != "gpipe" and (m < p or args.schedule == "interleaved" and m % p):
+    if args.schedule != "gpipe" and (m < p or args.schedule in LOOPED and m % p):
         fail(
             f"the {args.schedule} schedule needs a multiple of {p} micro-batches "
             f"(at least one per process), not {m}."
