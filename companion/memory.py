@@ -194,10 +194,18 @@ class SavedTensors:
 
 
 class _Held:
-    """A saved tensor, wrapped so that its release can be seen."""
+    """A saved tensor, wrapped so that its release can be seen.
+
+    It keeps a detached alias (the same storage), as torch asks of a pack
+    hook: the tensor itself would close a reference cycle through its
+    ``grad_fn`` wherever an operation saves its own output (softmax, say),
+    which Python's garbage collector cannot see through, and which only a
+    backward pass that runs that node breaks (a weight-gradient pass of a
+    zero-bubble pipeline does not).
+    """
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
+        self.tensor = tensor.detach()
 
 
 def _unpack(saved: torch.Tensor | _Held) -> torch.Tensor:

@@ -85,6 +85,7 @@ def replay_schedule(
     input_grad: float = 1.0,
     weight_grad: float = 1.0,
     as_measured: bool = False,
+    lengths: Mapping[tuple[str, int], float] | None = None,
 ) -> dict:
     """Re-time a pipeline step: the same passes in the same order, free messages.
 
@@ -97,8 +98,9 @@ def replay_schedule(
     stage s after stage s - 1's, a backward or input pass after stage s + 1's
     and its own forward pass, a weight pass after its own input pass. A pass
     takes ``forward``, ``backward``, ``input_grad`` or ``weight_grad`` (equal
-    stages), or with ``as_measured`` its own measured duration. Returns a
-    timeline of the same form, ``{"events": ..., "makespan": ...}``.
+    stages), or with ``as_measured`` its own measured duration, or where
+    ``lengths`` has its (kind, stage) that length (a median per stage, say).
+    Returns a timeline of the same form, ``{"events": ..., "makespan": ...}``.
     """
     length_of = {"F": forward, "B": backward, "I": input_grad, "W": weight_grad}
     orders = [sorted(passes, key=lambda e: e[3]) for passes in events]
@@ -124,6 +126,8 @@ def replay_schedule(
                     break
                 begin = max([free[rank], *(done[need] for need in needs)])
                 length = (end - start) if as_measured else length_of[kind]
+                if lengths and (kind, stage) in lengths:
+                    length = lengths[kind, stage]
                 key = "B" if kind == "I" else kind
                 done[key, stage, micro] = free[rank] = begin + length
                 replayed[rank].append([kind, stage, micro, begin, begin + length])

@@ -134,6 +134,21 @@ def test_saved_storages_stay_live_until_backward_frees_them() -> None:
     assert saved.live == 0
 
 
+def test_a_graph_that_saves_its_own_output_is_released_when_dropped() -> None:
+    """tanh saves its output, whose grad_fn is tanh's node: holding that output
+    itself would close a cycle that a weight-only backward pass (as a
+    zero-bubble pipeline's W) never breaks, and the bytes would stay live."""
+    layer = nn.Linear(16, 16, bias=False)
+    x = torch.randn(8, 16, requires_grad=True)
+    with SavedTensors(layer.parameters()) as saved:
+        y = torch.tanh(layer(x))
+        (dx,) = torch.autograd.grad(y.sum(), x, retain_graph=True)  # "I"
+        (dw,) = torch.autograd.grad(layer(x).sum(), layer.weight)
+        del y
+        assert saved.live == 0  # the first graph went with y
+    assert saved.peak == 8 * 16 * 4 * 2  # x and tanh's output
+
+
 def test_tensor_bytes_count_elements_and_the_storage_behind_them() -> None:
     whole = torch.zeros(10, 4)  # 160 bytes of storage
     rows = whole[:3]  # a view: 48 bytes of elements

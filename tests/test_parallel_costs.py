@@ -225,6 +225,21 @@ def test_the_replay_splits_a_backward_pass_into_input_and_weight() -> None:
     assert replay["makespan"] == 9.0
 
 
+def test_lengths_per_stage_override_the_kinds() -> None:
+    """Stage 0's input pass takes nothing and its weight pass the whole
+    backward (torch's first stage), the others' the lengths of their kind."""
+    events = [
+        [["F", 0, 0, 0, 1], ["I", 0, 0, 4, 5], ["W", 0, 0, 5, 6]],
+        [["F", 1, 0, 1, 2], ["I", 1, 0, 2, 3], ["W", 1, 0, 3, 4]],
+    ]
+    lengths = {("I", 0): 0.0, ("W", 0): 2.0}
+    replay = replay_schedule(events, lengths=lengths)
+    ends = {(e[0], e[1]): e[4] for passes in replay["events"] for e in passes}
+    assert ends["I", 1] == 3.0 and ends["W", 1] == 4.0
+    assert ends["I", 0] == 3.0 and ends["W", 0] == 5.0
+    assert replay["makespan"] == 5.0
+
+
 def test_an_impossible_order_is_one_sentence() -> None:
     events = [[["B", 0, 0, 0, 1], ["F", 0, 0, 1, 2]], [["F", 1, 0, 0, 1]]]
     with pytest.raises(CourseError, match="cannot run in the order given"):

@@ -101,9 +101,9 @@ def expected_collectives(config: GPTConfig, n: int, b: int = 8) -> dict:
             sp += [("forward", "reduce-scatter", stream, stream // n)]
             sp += [("backward", "all-gather", stream // n, stream)]
             sp += [("backward", "reduce-scatter", stream, stream // n)]
-            # The LayerNorm's weight has a Partial gradient, all-reduced each time
-            # Adam reads it: lerp once, addcmul (grad times grad) twice.
-            sp += [("optimizer", "all-reduce", d, d)] * 3
+            # The LayerNorm's weight has a Partial gradient, summed once after
+            # the backward pass (left Partial, Adam would all-reduce it 3 times).
+            sp += [("backward", "all-reduce", d, d)]
     shard = B * T * -(-V // n)  # one rank's logits, the vocabulary padded
     sp += [
         ("forward", "all-gather", stream // n, stream),  # the head's input
@@ -111,7 +111,7 @@ def expected_collectives(config: GPTConfig, n: int, b: int = 8) -> dict:
         ("backward", "reduce-scatter", stream, stream // n),  # the head's input
         ("backward", "all-gather", stream // n, stream),  # into the embeddings
     ]
-    sp += [("optimizer", "all-reduce", d, d)] * 3  # the final LayerNorm's weight
+    sp += [("backward", "all-reduce", d, d)]  # the final LayerNorm's weight
     empty = {"forward": {}, "backward": {}, "optimizer": {}}
     return {
         split: {**empty, **add_up(events, b)}

@@ -20,10 +20,11 @@ splits the model three ways over all the processes, ``hand``, ``tp`` and
   block forward and 2 backward; DTensor 2 forward and 4 backward (every
   ``ColwiseParallel`` layer all-reduces its own input gradient: q, k and v
   make three where f makes one); with sequence parallelism all-gathers and
-  reduce-scatters in their place, the logits' all-gather, and 3 (2L + 1)
-  small all-reduces in the optimizer step (the replicated LayerNorm weights
-  have partial gradients, which DTensor all-reduces each time Adam reads
-  them, three times with torch's foreach Adam);
+  reduce-scatters in their place, the logits' all-gather, and 2L + 1
+  small all-reduces after the backward pass (the replicated LayerNorm
+  weights have partial gradients, which the script sums once; left partial,
+  DTensor would all-reduce them each time Adam reads them, three times a
+  step);
 - the bytes saved for backward per rank (``companion.memory.SavedTensors``),
   against formulas per position and block: plain 16d + 4 + hT; TP 4d + 4 +
   (12d + hT)/N; TP+SP 2d + (14d + 4 + hT)/N (DTensor keeps the gathered
@@ -118,8 +119,9 @@ def predict_collectives(config, batch_size: int, seq_len: int, n: int, b: int) -
     gradients, the gradient entering the embeddings), plus the logits, B T V'
     b out with V' the vocabulary rounded up to a multiple of N;
     reduce-scatters of S in, S/N out: 2L forward (the proj outputs), 2L + 1
-    backward (attention, MLP and head input gradients); 3 (2L + 1)
-    all-reduces of d b bytes in the optimizer step. One process: none.
+    backward (attention, MLP and head input gradients); 2L + 1 all-reduces
+    of d b bytes at the end of the backward pass (the LayerNorms' partial
+    weight gradients, summed once). One process: none.
     """
     B, T, N = batch_size, seq_len, n
     d, V, L = config.n_embd, config.vocab_size, config.n_layer
@@ -161,8 +163,9 @@ def predict_collectives(config, batch_size: int, seq_len: int, n: int, b: int) -
             "backward": {
                 "all-gather": row(2 * L + 1, (2 * L + 1) * S // N, (2 * L + 1) * S),
                 "reduce-scatter": row(2 * L + 1, (2 * L + 1) * S, (2 * L + 1) * S // N),
+                **all_reduce(2 * L + 1, d * b),
             },
-            "optimizer": all_reduce(3 * (2 * L + 1), d * b),
+            "optimizer": {},
         },
     }
 
