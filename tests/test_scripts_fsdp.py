@@ -240,20 +240,21 @@ def test_the_checks_formulas_match_the_lists_here(n) -> None:
 def test_hsdp_adds_an_all_reduce_of_each_reduced_shard(shards, replicate) -> None:
     """HSDP: FSDP's collectives within a replica of ``shards`` processes, then
     one all-reduce per unit of what its reduce-scatter kept (with one shard:
-    of the whole gradients, as DDP), as many times as it reduce-scatters."""
+    of the whole gradients, as DDP), once per step however often it
+    reduce-scatters (``set_requires_all_reduce``)."""
     config = {"n_layer": 2, "n_embd": 64, "vocab_size": 45, "block_size": 64}
     torch.manual_seed(0)
     units = fsdp_memory.units_of(GPT(GPTConfig(**config)))
     shapes = [s for unit in unit_shapes(config).values() for s in unit]
     kept = sum(-(-s[0] // shards) * math.prod(s[1:]) for s in shapes)  # elements
-    for setting, times in (("on", 1), ("on, bf16", 1), ("on, 2 parts, sync each", 2)):
+    for setting in ("on", "on, bf16", "on, 2 parts, sync each"):
         predicted = fsdp_memory.predict_communication(
             units, shards, 8, setting, replicate
         )
         within = fsdp_memory.predict_communication(units, shards, 8, setting)
-        reduced = times * kept * (4 if setting.endswith("bf16") else 8)
+        reduced = kept * (4 if setting.endswith("bf16") else 8)
         all_reduce = {
-            "calls": times * 3,
+            "calls": 3,
             "input_bytes": reduced,
             "output_bytes": reduced,
         }

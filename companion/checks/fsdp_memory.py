@@ -20,7 +20,7 @@ functions, and measures:
   in float32), against their formulas; one process makes no collective;
 - with ``--replicate R``, all of it for HSDP: R replicas, each sharded
   over N / R processes, whose reduce-scattered gradients are then
-  all-reduced across the replicas;
+  all-reduced across the replicas, once per step;
 - with two or more processes, gradient accumulation over 2 parts of each
   rank's slice, with the "on" sharding: its collectives, reduce-scattered
   after the last part or after each, and the bytes live as the second
@@ -185,9 +185,10 @@ def predict_communication(
     or once (sync last: until then every rank adds up the whole, unsharded
     gradients, the model's P b bytes, where sync each holds its padded
     shards). One process: no collectives. HSDP (``replicate`` R > 1)
-    all-reduces each reduce-scatter's output, S_u elements of the reduced
-    dtype, across the R replicas; with n = 1 it all-reduces the whole
-    gradients alone, as DDP would.
+    all-reduces each unit's reduced shard, S_u elements of the reduced
+    dtype, across the R replicas, once per step (the script holds the
+    earlier micro-batches' with ``set_requires_all_reduce(False)``); with
+    n = 1 it all-reduces the whole gradients alone, as DDP would.
     """
     blocks, root, mixed = SETTINGS.get(setting, SETTINGS["on"])
     k, sync = ACCUMULATION.get(setting, (1, "each"))
@@ -219,10 +220,10 @@ def predict_communication(
             "input_bytes": reduces * sum(n * s for s in grads.values()),
             "output_bytes": reduces * sum(grads.values()),
         }
-    if replicate > 1:
-        reduced = reduces * sum(grads.values())
+    if replicate > 1:  # once per step, whatever the sync (set_requires_all_reduce)
+        reduced = sum(grads.values())
         collectives["all-reduce"] = {
-            "calls": reduces * len(grads),
+            "calls": len(grads),
             "input_bytes": reduced,
             "output_bytes": reduced,
         }

@@ -18,7 +18,7 @@ gradients reduced in float32, the shards and Adam's state in ``--dtype``;
 reduce-scattered after the last part, or with ``--sync each`` after each;
 ``--replicate R``: HSDP, R replicas of the model, each sharded over N / R
 processes, on a 2-D mesh; each process's gradients are reduce-scattered
-within its replica and then all-reduced across the replicas).
+within its replica and then all-reduced across the replicas, once per step).
 ``--save DIR`` writes a sharded checkpoint with torch.distributed.checkpoint
 (each rank its own shards, into DIR.tmp, renamed to DIR once complete, on a
 file system every node sees) and the full state gathered to rank 0
@@ -142,6 +142,7 @@ def train_step(
     for i, (xs, ys) in enumerate(parts):
         last = i == microbatches - 1
         model.set_requires_gradient_sync(last or sync == "each")
+        model.set_requires_all_reduce(last)  # HSDP: across replicas once per step
         loss = lm_loss(model(xs), ys) / microbatches  # all-gathers per unit
         loss.backward()  # gathers again where resharded, reduce-scatters if synced
         losses.append(loss.detach())
