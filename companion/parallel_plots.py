@@ -368,10 +368,10 @@ def plot_predicted_layouts(runs: Mapping[str, Mapping]) -> Figure:
         ax.plot([low, high], [low, high], color="0.6", lw=1, label="equal")
         ax.scatter(xs, ys, s=18, zorder=3)
         for i, (x, y) in enumerate(points, start=1):
-            # A point close to an earlier one (within 4% on both axes) gets its
+            # A point close to an earlier one (within 10% on both axes) gets its
             # label lower down, so that the two numbers stay apart.
             close = sum(
-                abs(x / px - 1) < 0.04 and abs(y / py - 1) < 0.04
+                abs(x / px - 1) < 0.1 and abs(y / py - 1) < 0.1
                 for px, py in points[: i - 1]
             )
             offset = (3, 3 - 9 * close)
@@ -379,8 +379,8 @@ def plot_predicted_layouts(runs: Mapping[str, Mapping]) -> Figure:
                 str(i), (x, y), textcoords="offset points", xytext=offset, fontsize=7
             )
         ax.set(xscale="log", yscale="log", xlim=(low, high), ylim=(low, high))
-        for axis in (ax.xaxis, ax.yaxis):  # ticks at 1, 2 and 5 of each decade
-            axis.set_major_locator(LogLocator(subs=(1, 2, 5)))
+        for axis in (ax.xaxis, ax.yaxis):  # ticks at 1, 2, 3 and 5 of each decade
+            axis.set_major_locator(LogLocator(subs=(1, 2, 3, 5)))
             axis.set_major_formatter(ScalarFormatter())
             axis.set_minor_formatter(NullFormatter())
     step.set(xlabel="predicted step (ms)", ylabel="measured step (ms)")

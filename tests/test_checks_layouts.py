@@ -70,7 +70,9 @@ def test_two_processes_run_the_layouts_they_are_given(capsys) -> None:
     assert list(out["runs"]) == ["data 2", "pipeline 2, m = 4"]
     for run in out["runs"].values():
         assert abs(run["first_loss"] - out["plain_first_loss"]) <= 1e-5
+        assert abs(run["last_loss"] - out["plain_last_loss"]) <= 1e-5
         assert run["seconds"] > 0 and len(run["peak_bytes"]) == 2
+    assert out["plain_last_loss"] != out["plain_first_loss"]  # it trained
     assert set(out["links"]) == {"2"}  # one group size: all the processes
     with pytest.raises(LaunchError):
         launch("checks/layouts.py", ["--layouts", "tensor 4", *small], nproc=2)

@@ -22,15 +22,17 @@ the scripts' own functions (DDP; ``fsdp_gpt``'s FSDP2 and HSDP;
 (each from a barrier to the last process's end; the median is reported),
 and one step more under ``companion.memory.LiveTensors`` for each process's
 peak of live tensor bytes. Every layout starts from the same model and
-batches: its first loss equals the plain model's (float32, within 1e-4).
+batches: its first loss equals the plain model's (float32, within 1e-4;
+the forward pass), and so does its last, after ``--steps`` + 1 Adam steps
+(the gradients, their reduction and the optimizer too).
 Layouts that cannot split the sizes given are left out (named), or with
 ``--layouts`` naming them, refused in one sentence. DDP's gradient
 accumulation (``no_sync`` until the last micro-batch) is written here; the
 other layouts use the scripts' own steps.
 
 Writes rank 0's results (``--results FILE``) for chapter 17; the predictions
-are judged there. Exit codes: 0 done; 3 a first loss differs; 2 bad input;
-1 crashed.
+are judged there. Exit codes: 0 done; 3 a first or last loss differs; 2 bad
+input; 1 crashed.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from companion.checks._shared import clock, every_rank, finish, print0, tolerance
 from companion.comm_costs import CollectiveFit, fit_alpha_beta
+from companion.gpt import GPTConfig as PlainConfig
+from companion.gpt import plain_losses
 from companion.harness.notebook import CourseError
 from companion.memory import Checkpointed, LiveTensors
 from companion.parallel_costs import (
@@ -190,10 +194,11 @@ def degree_links(
     layout: Layout, fits: dict[int, CollectiveFit], flops: float
 ) -> dict[str, DeviceAndLink]:
     """Each degree's link: the fit of its groups' size (the largest fitted, for
-    a size not fitted)."""
+    a size not fitted); a pipeline's, the pairs' fit, as each stage sends to
+    one neighbour."""
     links = {}
     for degree in DEGREES:
-        size = getattr(layout, degree)
+        size = 2 if degree == "pipeline" else getattr(layout, degree)
         fit = fits.get(size, fits[max(fits)])
         links[degree] = fit.as_link(flops, f"all-reduce fit, {fit.processes}")
     return links
@@ -277,7 +282,8 @@ def global_loss(loss: torch.Tensor | None, layout: Layout, device) -> float:
 
 def measure(layout: Layout, args, config: GPTConfig, batches, device) -> dict:
     """Build ``layout``, train a warm-up step and the timed ones, then one under
-    ``LiveTensors``: the first loss, the step's median seconds, each peak."""
+    ``LiveTensors``: the first and last losses, the step's median seconds,
+    each peak."""
     model = build_model(config, args.seed, "float32", device)
     holder, step = build(layout, model, device)
     optimizer = make_optimizer(holder, args.lr)
@@ -294,19 +300,14 @@ def measure(layout: Layout, args, config: GPTConfig, batches, device) -> dict:
         *(v for s in optimizer.state.values() for v in s.values()),
     ]
     with LiveTensors(held) as tensors:
-        step(optimizer, *batches[-1])
+        last = step(optimizer, *batches[-1])
     return {
         "first_loss": first,
+        "last_loss": global_loss(last, layout, device),
         "seconds": statistics.median(seconds),
         "all_seconds": seconds,
         "peak_bytes": every_rank(tensors.peak),
     }
-
-
-def plain_first_loss(config: GPTConfig, seed: int, batch, device) -> float:
-    """The unsplit model's loss on the first global batch, in one process."""
-    model = build_model(config, seed, "float32", device)
-    return lm_loss(model(batch[0]), batch[1]).item()
 
 
 # ---- main
@@ -389,7 +390,14 @@ def main() -> None:
             for size, fit in sorted(fits.items())
         )
     )
-    plain = plain_first_loss(config, args.seed, batches[0], device)
+    plain = plain_losses(
+        PlainConfig(**asdict(config)),
+        batches,
+        lr=args.lr,
+        seed=args.seed,
+        dtype=torch.float32,
+        device=device,
+    )
     runs = {}
     for name in names:
         layout = known[name]
@@ -406,11 +414,12 @@ def main() -> None:
             f"{predicted['memory']['total'] / 2**20:.2f} MiB; measured "
             f"{measured['seconds'] * 1e3:.1f} ms, ~{peak:.2f} MiB"
         )
-    different = {
-        name: run["first_loss"]
+    different = [  # the first loss: the forward pass; the last: the training too
+        f"the {which} loss of {name} differs from the plain model's"
         for name, run in runs.items()
-        if abs(run["first_loss"] - plain) > tolerance("float32")
-    }
+        for which, reference in (("first", plain[0]), ("last", plain[-1]))
+        if abs(run[f"{which}_loss"] - reference) > tolerance("float32")
+    ]
     results = None
     if rank == 0:
         results = {
@@ -421,14 +430,11 @@ def main() -> None:
             "workload": asdict(workload),
             "flops": flops,
             "links": {str(size): asdict(fit) for size, fit in fits.items()},
-            "plain_first_loss": plain,
+            "plain_first_loss": plain[0],
+            "plain_last_loss": plain[-1],
             "runs": runs,
         }
-    failure = (
-        f"the first loss of {next(iter(different))} differs from the plain model's"
-        if different
-        else ""
-    )
+    failure = different[0] if different else ""
     finish(results, failure, args.results)
 
 
