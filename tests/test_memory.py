@@ -141,11 +141,14 @@ def test_a_graph_that_saves_its_own_output_is_released_when_dropped() -> None:
     layer = nn.Linear(16, 16, bias=False)
     x = torch.randn(8, 16, requires_grad=True)
     with SavedTensors(layer.parameters()) as saved:
-        y = torch.tanh(layer(x))
-        (dx,) = torch.autograd.grad(y.sum(), x, retain_graph=True)  # "I"
-        (dw,) = torch.autograd.grad(layer(x).sum(), layer.weight)
-        del y
-        assert saved.live == 0  # the first graph went with y
+        h = layer(x)
+        y = torch.tanh(h)
+        # "I": through tanh to the linear layer's output, the graph kept;
+        # "W": from there to the weight alone, which never runs tanh's node.
+        (dh,) = torch.autograd.grad(y.sum(), h, retain_graph=True)
+        torch.autograd.grad(h, layer.weight, grad_outputs=dh)
+        del h, y, dh
+        assert saved.live == 0  # the graph went with its outputs
     assert saved.peak == 8 * 16 * 4 * 2  # x and tanh's output
 
 

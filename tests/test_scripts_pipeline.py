@@ -190,6 +190,20 @@ def test_torchs_own_zero_bubble_orders_meet_the_formulas(schedule, p) -> None:
         assert held == check.in_flight_formula(schedule, p, m)
 
 
+@pytest.mark.parametrize("w", [1.0, 2.0, 3.0])
+def test_longer_weight_passes_idle_zb1p_no_more_but_zbv_more(w) -> None:
+    """Chapter 13's exercise: with F = I = 1, ZB1P's plan idles p - 1 passes
+    per process however long W is; ZBV's, planned for equal passes, idles
+    more once W is longer than F at 4 processes (not at 2)."""
+    for p in (2, 4):
+        for schedule in ("zb1p", "zbv"):
+            replay = replay_schedule(torch_order(schedule, p, 4 * p), weight_grad=w)
+            busy = [sum(e[4] - e[3] for e in passes) for passes in replay["events"]]
+            idle = {replay["makespan"] - b for b in busy}
+            longer = schedule == "zbv" and p == 4 and w > 1
+            assert (min(idle) > p - 1) if longer else (idle == {p - 1})
+
+
 def test_a_split_backward_pass_releases_at_its_weight_pass() -> None:
     events = [  # in the order they ran: F 0, F 1, I 0, F 2, W 0, I 1, W 1, I 2, W 2
         ["F", 0, 0, 0.0, 0.1],

@@ -7,7 +7,8 @@ First it measures this machine's two numbers for the cost model of
 ``companion.parallel_costs``, with every process at work at once:
 
 - the FLOP rate of one process, from the plain model's forward and backward
-  pass on one data-parallel share of the batch (B / N sequences);
+  pass on one data-parallel share of the batch (B / N sequences): the
+  slowest process's;
 - the link, from all-reduces of 64 KiB to 16 MiB over the N processes and
   over pairs of them (``companion.comm_costs.fit_alpha_beta``): a latency
   and a bandwidth per group size, which each degree of a layout uses by
@@ -142,10 +143,12 @@ def flop_rate(
     workload: GPTWorkload,
     x: torch.Tensor,
     y: torch.Tensor,
-    repeats: int = 3,
+    repeats: int = 5,
 ) -> float:
     """FLOP/s of one process on the plain model's forward and backward pass
-    over ``x``, while every process runs the same (median of ``repeats``)."""
+    over ``x``, while every process runs the same: the slowest process's
+    median of ``repeats`` (with more processes than cores, the first to get a
+    core would time itself alone)."""
     model = GPT(config).to(x.device)
     lm_loss(model(x), y).backward()  # a first pass: allocations, lazy set-up
     seconds = []
@@ -154,7 +157,7 @@ def flop_rate(
         start = clock()
         lm_loss(model(x), y).backward()
         seconds.append(clock() - start)
-    return workload.step_flops / statistics.median(seconds)
+    return workload.step_flops / max(every_rank(statistics.median(seconds)))
 
 
 def all_reduce_seconds(group: Any, device: torch.device) -> list[float]:

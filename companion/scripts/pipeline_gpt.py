@@ -23,7 +23,8 @@ backward passes into the input's gradient, sent on at once, and the
 weights', which fills what would be idle time: zb1p (interleaved's stages,
 every backward pass split), zbv and dualpipev (two stages per process in a
 V: process r holds stages r and 2p - 1 - r; zbv splits every backward pass,
-dualpipev those of its warm-up and cool-down). zb1p runs on torch 2.10 and
+dualpipev those of its warm-up and cool-down; on the first stage, which has
+no input gradient to send, the weight pass does the whole backward pass). zb1p runs on torch 2.10 and
 2.14. The V-shaped schedules run on torch 2.13 and 2.14; torch 2.10 fails in
 their first step, and 2.11 and 2.12 were not tried, so the script refuses
 them below 2.13.
