@@ -113,12 +113,13 @@ def test_main_is_recorded_for_torchrun(path):
 def test_the_scripts_are_short():
     """Non-blank lines (issue 36 took the nine from 2,689 to 1,969, plus the
     siblings' 186, which they import; issue 37's HSDP added 19 to fsdp_gpt.py,
-    and the budget 10)."""
+    and the budget 10; then ZB1P 3 lines, sequence parallelism's gradient sums
+    8 and HSDP's one all-reduce per step 1, and the budget 15)."""
     lines = {p.name: code_lines(p) for p in ALL}
     siblings = sum(code_lines(SCRIPTS / f"{name}.py") for name in SIBLINGS)
     assert lines["hello_distributed.py"] < 40, lines
     assert max(lines.values()) <= 460, lines
-    assert sum(lines[name] for name in ORIGINAL_NINE) + siblings <= 2210, lines
+    assert sum(lines[name] for name in ORIGINAL_NINE) + siblings <= 2225, lines
 
 
 def test_the_siblings_are_imported_by_their_plain_names_only():

@@ -18,16 +18,12 @@ micro-batch's loss on the last stage, in the order of ``--schedule``: gpipe
 (all forward passes, then all backward passes), 1f1b (once the pipeline is
 full, one forward and one backward pass in turn, so that stage s holds at most
 p - s micro-batches), interleaved (1F1B with two stages per process: process
-r holds stages r and r + p), or the zero-bubble schedules, which split
-backward passes into the input's gradient, sent on at once, and the
-weights', which fills what would be idle time: zb1p (interleaved's stages,
-every backward pass split), zbv and dualpipev (two stages per process in a
-V: process r holds stages r and 2p - 1 - r; zbv splits every backward pass,
-dualpipev those of its warm-up and cool-down; on the first stage, which has
-no input gradient to send, the weight pass does the whole backward pass). zb1p runs on torch 2.10 and
-2.14. The V-shaped schedules run on torch 2.13 and 2.14; torch 2.10 fails in
-their first step, and 2.11 and 2.12 were not tried, so the script refuses
-them below 2.13.
+r holds stages r and r + p), or the zero-bubble schedules, whose backward
+passes send the input's gradient on at once and compute the weights' later,
+in what would be idle time: zb1p (interleaved's stages; torch 2.10 and 2.14),
+zbv and dualpipev (a V: process r holds stages r and 2p - 1 - r; torch 2.13
+and 2.14: 2.10 fails in their first step, 2.11 and 2.12 were not tried, and
+the script refuses them below 2.13).
 companion/checks/pipeline.py times the passes and counts the activations each
 stage holds.
 
@@ -73,14 +69,7 @@ SCHEDULES = {
     "zbv": ScheduleZBVZeroBubble,
     "dualpipev": ScheduleDualPipeV,
 }
-STAGES_PER_PROCESS = {
-    "gpipe": 1,
-    "1f1b": 1,
-    "interleaved": 2,
-    "zb1p": 2,
-    "zbv": 2,
-    "dualpipev": 2,
-}
+STAGES_PER_PROCESS = {name: 2 for name in SCHEDULES} | {"gpipe": 1, "1f1b": 1}
 V_SHAPED = {"zbv", "dualpipev"}  # process r holds stages r and 2p - 1 - r
 ZERO_BUBBLE = {"zb1p", *V_SHAPED}  # backward passes split into input and weights
 LOOPED = {"interleaved", "zb1p"}  # process r holds stages r and r + p

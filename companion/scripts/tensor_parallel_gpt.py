@@ -249,11 +249,8 @@ def make_adam(model: nn.Module, lr: float) -> torch.optim.Adam:
 
 
 def sum_partial_grads(model: nn.Module) -> None:
-    """Sum, once, the gradients DTensor leaves as partial sums: with sequence
-    parallelism, the LayerNorms' weights, of which each rank saw only its
-    slice of the positions. Left ``Partial``, they would be all-reduced each
-    time Adam reads them (three times per step in torch 2.10 to 2.14);
-    Megatron-LM sums them in one all-reduce, this one all-reduce per weight."""
+    """Sum once the gradients DTensor leaves partial (sequence parallelism's
+    LayerNorm weights), which Adam would otherwise all-reduce at every read."""
     for p in model.parameters():
         grad = p.grad
         if isinstance(grad, DTensor) and any(q.is_partial() for q in grad.placements):
